@@ -1,0 +1,153 @@
+// Multi-head attention forward, as torch.nn.functional.multi_head_attention_forward.
+//
+//   Q = query . w_q^T + b_q                          (N, L, E) = (N, L, H, hd)
+//   K = key . w_k^T + b_k, or static_k               (N, S, E) or (N, H, S, hd)
+//   V likewise; then append the bias_k/bias_v row and the zero row when asked,
+//   giving S' = S_src + bias + zero keys
+//   A = sdpa(Q, K, V, masks over the S_src keys, scale 1/sqrt(hd)) per head
+//   out = A . w_out^T + b_out                        (heads concatenated)
+//   weights: per head (N, H, L, S'), or their mean over heads
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "attention/projection.h"
+#include "attnx/attention.h"
+
+namespace attnx {
+namespace {
+
+// Keys (or values) as sdpa reads them: a (N, H, S', hd) view, backed either
+// by the caller's static array or by `storage`.
+template <typename T>
+StridedView<const T, 4> build_keys(const StridedView<const T, 3>& input,
+                                   const RowMajorView<const T>& w, const T* b, const T* bias_row,
+                                   bool zero_row, const StridedView<const T, 4>& static_keys,
+                                   int64_t H, std::vector<T>& storage) {
+  const int64_t N = input.shape[0], E = w.rows, hd = E / H;
+  StridedView<const T, 4> view;
+  if (static_keys.present()) {
+    if (!zero_row) return static_keys;  // used in place
+    // Copy the static keys with one zero key after them.
+    const int64_t S = static_keys.shape[2], Sp = S + 1;
+    storage.assign(size_t(N * H * Sp * hd), T(0));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t s = 0; s < S; ++s)
+          std::copy_n(static_keys.at(n, h, s), hd, storage.data() + ((n * H + h) * Sp + s) * hd);
+    view.data = storage.data();
+    view.shape[0] = N, view.shape[1] = H, view.shape[2] = Sp, view.shape[3] = hd;
+    view.stride[0] = H * Sp * hd, view.stride[1] = Sp * hd, view.stride[2] = hd,
+    view.stride[3] = 1;
+    return view;
+  }
+  // Projected keys, laid out (N, S', E) so that head h is columns [h*hd, (h+1)*hd).
+  const int64_t S = input.shape[1];
+  const int64_t Sp = S + (bias_row ? 1 : 0) + (zero_row ? 1 : 0);
+  storage.resize(size_t(N * Sp * E));
+  StridedView<T, 3> projected;
+  projected.data = storage.data();
+  projected.shape[0] = N, projected.shape[1] = S, projected.shape[2] = E;
+  projected.stride[0] = Sp * E, projected.stride[1] = E, projected.stride[2] = 1;
+  linear_forward(input, w, b, projected);
+  for (int64_t n = 0; n < N; ++n) {
+    T* extra = storage.data() + (n * Sp + S) * E;
+    if (bias_row) std::copy_n(bias_row, E, extra), extra += E;
+    if (zero_row) std::fill_n(extra, E, T(0));
+  }
+  view.data = storage.data();
+  view.shape[0] = N, view.shape[1] = H, view.shape[2] = Sp, view.shape[3] = hd;
+  view.stride[0] = Sp * E, view.stride[1] = hd, view.stride[2] = E, view.stride[3] = 1;
+  return view;
+}
+
+// A (N, L, E) contiguous buffer seen as (N, H, L, hd).
+template <typename U>
+StridedView<U, 4> heads_view(U* data, int64_t N, int64_t L, int64_t E, int64_t H) {
+  StridedView<U, 4> v;
+  v.data = data;
+  v.shape[0] = N, v.shape[1] = H, v.shape[2] = L, v.shape[3] = E / H;
+  v.stride[0] = L * E, v.stride[1] = E / H, v.stride[2] = E, v.stride[3] = 1;
+  return v;
+}
+
+template <typename T>
+StridedView<const T, 3> as_const(const StridedView<T, 3>& v) {
+  StridedView<const T, 3> c;
+  c.data = v.data;
+  std::copy_n(v.shape, 3, c.shape);
+  std::copy_n(v.stride, 3, c.stride);
+  return c;
+}
+
+}  // namespace
+
+template <typename T>
+void mha_forward(const MhaArgs<T>& a) {
+  const int64_t N = a.query.shape[0], L = a.query.shape[1], E = a.w_q.rows;
+  const int64_t H = a.num_heads, hd = E / H;
+
+  // Input projections.
+  std::vector<T> q_storage(size_t(N * L * E));
+  StridedView<T, 3> q_proj;
+  q_proj.data = q_storage.data();
+  q_proj.shape[0] = N, q_proj.shape[1] = L, q_proj.shape[2] = E;
+  q_proj.stride[0] = L * E, q_proj.stride[1] = E, q_proj.stride[2] = 1;
+  linear_forward(a.query, a.w_q, a.b_q, q_proj);
+
+  std::vector<T> k_storage, v_storage;
+  const StridedView<const T, 4> keys =
+      build_keys(a.key, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage);
+  const StridedView<const T, 4> values =
+      build_keys(a.value, a.w_v, a.b_v, a.bias_v, a.add_zero_attn, a.static_v, H, v_storage);
+  const int64_t S_src = a.static_k.present() ? a.static_k.shape[2] : a.key.shape[1];
+  const int64_t Sp = keys.shape[2];
+
+  // Attention per head, written with the heads concatenated.
+  std::vector<T> attn_storage(size_t(N * L * E));
+  std::vector<T> per_head_weights;
+  SdpaArgs<T> sdpa;
+  sdpa.query = heads_view<const T>(q_storage.data(), N, L, E, H);
+  sdpa.key = keys;
+  sdpa.value = values;
+  for (int m = 0; m < kMaxMasks; ++m) sdpa.masks[m] = a.masks[m];
+  sdpa.mask_cols = S_src;
+  sdpa.causal = a.causal;
+  sdpa.scale = T(1) / std::sqrt(T(hd));
+  sdpa.out = heads_view<T>(attn_storage.data(), N, L, E, H);
+  if (a.weights) {
+    if (a.average_weights) {
+      per_head_weights.resize(size_t(N * H * L * Sp));
+      sdpa.weights = per_head_weights.data();
+    } else {
+      sdpa.weights = a.weights;
+    }
+  }
+  sdpa_forward(sdpa);
+
+  if (a.weights && a.average_weights) {
+    // Mean over heads, summed in head order (as torch's mean).
+    const int64_t plane = L * Sp;
+    for (int64_t n = 0; n < N; ++n) {
+      T* dst = a.weights + n * plane;
+      std::fill_n(dst, plane, T(0));
+      for (int64_t h = 0; h < H; ++h) {
+        const T* src = per_head_weights.data() + (n * H + h) * plane;
+        for (int64_t x = 0; x < plane; ++x) dst[x] += src[x];
+      }
+      for (int64_t x = 0; x < plane; ++x) dst[x] /= T(H);
+    }
+  }
+
+  // Output projection.
+  StridedView<T, 3> attn;
+  attn.data = attn_storage.data();
+  attn.shape[0] = N, attn.shape[1] = L, attn.shape[2] = E;
+  attn.stride[0] = L * E, attn.stride[1] = E, attn.stride[2] = 1;
+  linear_forward(as_const(attn), a.w_out, a.b_out, a.out);
+}
+
+template void mha_forward<float>(const MhaArgs<float>&);
+template void mha_forward<double>(const MhaArgs<double>&);
+
+}  // namespace attnx

@@ -1,0 +1,111 @@
+// NumPy arrays -> the core's strided views, without copying.
+//
+// The Python layer already canonicalises every argument; these checks are a
+// second line of defence so that no call into the private module, however
+// wrong, can read or write out of bounds.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "attnx/strided_view.h"
+
+namespace attnx::bindings {
+
+namespace py = pybind11;
+
+std::string shape_string(const py::array& a);
+
+// Checks dtype, rank, alignment and element-multiple strides of `a`; with
+// `contiguous_last`, also that its last dimension is unit-stride.
+template <typename T>
+void check_array(const py::array& a, const char* name, int rank, bool contiguous_last,
+                 bool writable) {
+  if (!py::isinstance<py::array_t<T>>(a) || !a.dtype().is(py::dtype::of<T>()))
+    throw py::type_error(std::string(name) + ": expected dtype " +
+                         std::string(py::str(py::dtype::of<T>())) + ", got " +
+                         std::string(py::str(a.dtype())));
+  if (a.ndim() != rank)
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(rank) +
+                          " dimensions, got shape " + shape_string(a));
+  if (writable && !a.writeable())
+    throw py::value_error(std::string(name) + ": the array is read-only");
+  if (reinterpret_cast<std::uintptr_t>(a.data()) % alignof(T) != 0)
+    throw py::value_error(std::string(name) + ": the array is not aligned");
+  for (int d = 0; d < rank; ++d)
+    if (a.strides(d) % static_cast<py::ssize_t>(sizeof(T)) != 0)
+      throw py::value_error(std::string(name) + ": strides are not a multiple of the item size");
+  if (contiguous_last && a.shape(rank - 1) > 1 &&
+      a.strides(rank - 1) != static_cast<py::ssize_t>(sizeof(T)))
+    throw py::value_error(std::string(name) + ": the last dimension must be contiguous");
+}
+
+template <typename T, int Rank>
+StridedView<const T, Rank> const_view(const py::array& a, const char* name,
+                                      bool contiguous_last = true) {
+  check_array<T>(a, name, Rank, contiguous_last, false);
+  StridedView<const T, Rank> v;
+  v.data = static_cast<const T*>(a.data());
+  for (int d = 0; d < Rank; ++d) {
+    v.shape[d] = a.shape(d);
+    v.stride[d] = a.strides(d) / static_cast<py::ssize_t>(sizeof(T));
+  }
+  return v;
+}
+
+template <typename T, int Rank>
+StridedView<T, Rank> mutable_view(py::array& a, const char* name) {
+  check_array<T>(a, name, Rank, true, true);
+  StridedView<T, Rank> v;
+  v.data = static_cast<T*>(a.mutable_data());
+  for (int d = 0; d < Rank; ++d) {
+    v.shape[d] = a.shape(d);
+    v.stride[d] = a.strides(d) / static_cast<py::ssize_t>(sizeof(T));
+  }
+  return v;
+}
+
+template <typename T, int Rank>
+StridedView<const T, Rank> optional_view(const std::optional<py::array>& a, const char* name,
+                                         bool contiguous_last = true) {
+  return a ? const_view<T, Rank>(*a, name, contiguous_last) : StridedView<const T, Rank>{};
+}
+
+// A matrix with contiguous rows.
+template <typename T>
+RowMajorView<const T> matrix_view(const py::array& a, const char* name) {
+  const StridedView<const T, 2> v = const_view<T, 2>(a, name);
+  return RowMajorView<const T>{v.data, v.shape[0], v.shape[1], v.stride[0]};
+}
+
+// A C-contiguous vector of exactly `size` elements, or null.
+template <typename T>
+const T* vector_data(const std::optional<py::array>& a, const char* name, int64_t size) {
+  if (!a) return nullptr;
+  const StridedView<const T, 1> v = const_view<T, 1>(*a, name);
+  if (v.shape[0] != size)
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(size) +
+                          " elements, got shape " + shape_string(*a));
+  return v.data;
+}
+
+// A C-contiguous output buffer of exactly the given shape, or null.
+template <typename T>
+T* contiguous_output(std::optional<py::array>& a, const char* name,
+                     std::initializer_list<int64_t> shape) {
+  if (!a) return nullptr;
+  check_array<T>(*a, name, static_cast<int>(shape.size()), true, true);
+  if (!(a->flags() & py::array::c_style))
+    throw py::value_error(std::string(name) + ": must be C-contiguous");
+  int d = 0;
+  for (int64_t extent : shape)
+    if (a->shape(d++) != extent)
+      throw py::value_error(std::string(name) + ": wrong shape " + shape_string(*a));
+  return static_cast<T*>(a->mutable_data());
+}
+
+}  // namespace attnx::bindings

@@ -1,0 +1,16 @@
+// The private extension module attnx._core. It only creates the module; each
+// area registers its functions from its own file.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+namespace attnx::bindings {
+void register_attention(py::module_& m);
+void register_runtime(py::module_& m);
+}  // namespace attnx::bindings
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "attnx C++ core (private: use the attnx package)";
+  attnx::bindings::register_attention(m);
+  attnx::bindings::register_runtime(m);
+}

@@ -1,0 +1,190 @@
+// Bindings of the two attention entry points. Each converts its arrays to
+// views, checks that the shapes agree, and runs the core with the GIL
+// released.
+//
+// Releasing the GIL is safe: the core touches no Python object, and the
+// py::array arguments keep every buffer alive until the call returns.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "attnx/attention.h"
+#include "bindings/array_views.h"
+
+namespace attnx::bindings {
+
+std::string shape_string(const py::array& a) {
+  std::ostringstream s;
+  s << "(";
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) s << (d ? ", " : "") << a.shape(d);
+  s << (a.ndim() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+namespace {
+
+using OptArray = std::optional<py::array>;
+
+template <typename View>
+void require_shape(const View& v, const char* name, std::initializer_list<int64_t> expected) {
+  int d = 0;
+  for (int64_t extent : expected) {
+    if (v.shape[d] != extent) {
+      std::ostringstream s;
+      s << name << ": dimension " << d << " is " << v.shape[d] << ", expected " << extent;
+      throw py::value_error(s.str());
+    }
+    ++d;
+  }
+}
+
+template <typename T>
+void sdpa_typed(const py::array& query, const py::array& key, const py::array& value,
+                const OptArray& attn_mask, bool causal, double scale, py::array& out,
+                OptArray& weights) {
+  SdpaArgs<T> a;
+  a.query = const_view<T, 4>(query, "query");
+  a.key = const_view<T, 4>(key, "key");
+  a.value = const_view<T, 4>(value, "value");
+  const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
+  const int64_t E = a.query.shape[3], Hk = a.key.shape[1], S = a.key.shape[2];
+  const int64_t Ev = a.value.shape[3];
+  require_shape(a.key, "key", {B, Hk, S, E});
+  require_shape(a.value, "value", {B, Hk, S, Ev});
+  if (Hq > 0 && (Hk == 0 || Hq % Hk != 0))
+    throw py::value_error("query heads (" + std::to_string(Hq) +
+                          ") must be a multiple of key heads (" + std::to_string(Hk) + ")");
+  a.masks[0] = optional_view<T, 4>(attn_mask, "attn_mask", false);
+  if (a.masks[0].present()) require_shape(a.masks[0], "attn_mask", {B, Hq, L, S});
+  if (!std::isfinite(scale)) throw py::value_error("scale must be finite");
+  a.mask_cols = S;
+  a.causal = causal;
+  a.scale = static_cast<T>(scale);
+  a.out = mutable_view<T, 4>(out, "out");
+  require_shape(a.out, "out", {B, Hq, L, Ev});
+  a.weights = contiguous_output<T>(weights, "weights", {B, Hq, L, S});
+  py::gil_scoped_release release;
+  sdpa_forward(a);
+}
+
+template <typename T>
+void mha_typed(int64_t num_heads, const py::array& query, const py::array& key,
+               const py::array& value, const py::array& w_q, const py::array& w_k,
+               const py::array& w_v, const OptArray& b_q, const OptArray& b_k, const OptArray& b_v,
+               const OptArray& bias_k, const OptArray& bias_v, bool add_zero_attn,
+               const OptArray& static_k, const OptArray& static_v, const OptArray& attn_mask,
+               const OptArray& key_padding_mask, bool causal, const py::array& w_out,
+               const OptArray& b_out, py::array& out, OptArray& weights, bool average_weights) {
+  MhaArgs<T> a;
+  a.query = const_view<T, 3>(query, "query");
+  a.key = const_view<T, 3>(key, "key");
+  a.value = const_view<T, 3>(value, "value");
+  const int64_t N = a.query.shape[0], L = a.query.shape[1], E = a.query.shape[2];
+  const int64_t S = a.key.shape[1];
+  if (num_heads < 1 || E % num_heads != 0)
+    throw py::value_error("embed_dim (" + std::to_string(E) + ") must be divisible by num_heads (" +
+                          std::to_string(num_heads) + ")");
+  const int64_t H = num_heads, hd = E / H;
+  a.num_heads = H;
+  require_shape(a.key, "key", {N, S});
+  require_shape(a.value, "value", {N, S});
+  a.w_q = matrix_view<T>(w_q, "q_proj_weight");
+  a.w_k = matrix_view<T>(w_k, "k_proj_weight");
+  a.w_v = matrix_view<T>(w_v, "v_proj_weight");
+  a.w_out = matrix_view<T>(w_out, "out_proj_weight");
+  if (a.w_q.rows != E || a.w_q.cols != E) throw py::value_error("q_proj_weight: wrong shape");
+  if (a.w_k.rows != E || a.w_k.cols != a.key.shape[2])
+    throw py::value_error("k_proj_weight: wrong shape");
+  if (a.w_v.rows != E || a.w_v.cols != a.value.shape[2])
+    throw py::value_error("v_proj_weight: wrong shape");
+  if (a.w_out.rows != E || a.w_out.cols != E) throw py::value_error("out_proj_weight: wrong shape");
+  a.b_q = vector_data<T>(b_q, "q bias", E);
+  a.b_k = vector_data<T>(b_k, "k bias", E);
+  a.b_v = vector_data<T>(b_v, "v bias", E);
+  a.b_out = vector_data<T>(b_out, "out_proj_bias", E);
+  a.bias_k = vector_data<T>(bias_k, "bias_k", E);
+  a.bias_v = vector_data<T>(bias_v, "bias_v", E);
+  if (bool(a.bias_k) != bool(a.bias_v))
+    throw py::value_error("bias_k and bias_v must be given together");
+  a.add_zero_attn = add_zero_attn;
+  a.static_k = optional_view<T, 4>(static_k, "static_k");
+  a.static_v = optional_view<T, 4>(static_v, "static_v");
+  if (a.static_k.present()) require_shape(a.static_k, "static_k", {N, H, a.static_k.shape[2], hd});
+  if (a.static_v.present()) require_shape(a.static_v, "static_v", {N, H, a.static_v.shape[2], hd});
+  if (a.static_k.present() && a.bias_k) throw py::value_error("bias_k cannot be added to static_k");
+  if (a.static_v.present() && a.bias_v) throw py::value_error("bias_v cannot be added to static_v");
+  const int64_t S_k = a.static_k.present() ? a.static_k.shape[2] : S;
+  const int64_t S_v = a.static_v.present() ? a.static_v.shape[2] : S;
+  if (S_k != S_v) throw py::value_error("keys and values have different lengths");
+  a.masks[0] = optional_view<T, 4>(attn_mask, "attn_mask", false);
+  a.masks[1] = optional_view<T, 4>(key_padding_mask, "key_padding_mask", false);
+  for (const auto& mask : a.masks)
+    if (mask.present()) require_shape(mask, "mask", {N, H, L, S_k});
+  a.causal = causal;
+  a.out = mutable_view<T, 3>(out, "out");
+  require_shape(a.out, "out", {N, L, E});
+  const int64_t Sp = S_k + (a.bias_k ? 1 : 0) + (add_zero_attn ? 1 : 0);
+  a.average_weights = average_weights;
+  if (average_weights)
+    a.weights = contiguous_output<T>(weights, "weights", {N, L, Sp});
+  else
+    a.weights = contiguous_output<T>(weights, "weights", {N, H, L, Sp});
+  py::gil_scoped_release release;
+  mha_forward(a);
+}
+
+bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().is(dt); }
+
+}  // namespace
+
+void register_attention(py::module_& m) {
+  m.def(
+      "sdpa",
+      [](const py::array& query, const py::array& key, const py::array& value,
+         const OptArray& attn_mask, bool causal, double scale, py::array& out, OptArray weights) {
+        if (is_dtype(query, py::dtype::of<float>()))
+          sdpa_typed<float>(query, key, value, attn_mask, causal, scale, out, weights);
+        else if (is_dtype(query, py::dtype::of<double>()))
+          sdpa_typed<double>(query, key, value, attn_mask, causal, scale, out, weights);
+        else
+          throw py::type_error("query: expected float32 or float64");
+      },
+      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
+      py::arg("causal"), py::arg("scale"), py::arg("out"), py::arg("weights"),
+      "Scaled dot-product attention on canonical (B, H, L, E) views.");
+  m.def(
+      "mha",
+      [](int64_t num_heads, const py::array& query, const py::array& key, const py::array& value,
+         const py::array& w_q, const py::array& w_k, const py::array& w_v, const OptArray& b_q,
+         const OptArray& b_k, const OptArray& b_v, const OptArray& bias_k,
+         const OptArray& bias_v, bool add_zero_attn, const OptArray& static_k,
+         const OptArray& static_v, const OptArray& attn_mask, const OptArray& key_padding_mask,
+         bool causal, const py::array& w_out, const OptArray& b_out, py::array& out,
+         OptArray weights, bool average_weights) {
+        if (is_dtype(query, py::dtype::of<float>()))
+          mha_typed<float>(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k,
+                           bias_v, add_zero_attn, static_k, static_v, attn_mask,
+                           key_padding_mask, causal, w_out, b_out, out, weights, average_weights);
+        else if (is_dtype(query, py::dtype::of<double>()))
+          mha_typed<double>(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k,
+                            bias_v, add_zero_attn, static_k, static_v, attn_mask,
+                            key_padding_mask, causal, w_out, b_out, out, weights,
+                            average_weights);
+        else
+          throw py::type_error("query: expected float32 or float64");
+      },
+      py::arg("num_heads"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("w_q"),
+      py::arg("w_k"), py::arg("w_v"), py::arg("b_q"), py::arg("b_k"), py::arg("b_v"),
+      py::arg("bias_k"), py::arg("bias_v"), py::arg("add_zero_attn"), py::arg("static_k"),
+      py::arg("static_v"), py::arg("attn_mask"), py::arg("key_padding_mask"), py::arg("causal"),
+      py::arg("w_out"), py::arg("b_out"), py::arg("out"), py::arg("weights"),
+      py::arg("average_weights"),
+      "Multi-head attention forward on canonical (N, L, E) views.");
+}
+
+}  // namespace attnx::bindings

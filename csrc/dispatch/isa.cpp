@@ -1,0 +1,67 @@
+// Kernel dispatch: find what the CPU supports once, honour ATTNX_ISA, and
+// hand the drivers the table of the chosen instruction set.
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+#include "attnx/runtime.h"
+#include "kernels/kernel_table.h"
+
+namespace attnx {
+namespace {
+
+std::atomic<Isa> g_active_isa{Isa::kScalar};
+
+// The highest instruction set with kernels compiled into this build. Only
+// the portable kernel exists so far; a request for a higher one the CPU
+// supports runs the best kernel below it.
+constexpr Isa kBestCompiledIsa = Isa::kScalar;
+
+Isa parse_isa(const std::string& name) {
+  if (name == "scalar") return Isa::kScalar;
+  if (name == "avx2") return Isa::kAvx2;
+  if (name == "avx512") return Isa::kAvx512;
+  throw std::invalid_argument("ATTNX_ISA='" + name +
+                              "' is not a known kernel; use scalar, avx2 or avx512");
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+Isa detect_cpu_isa() {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  // __builtin_cpu_supports also checks that the OS saves the wide registers.
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kScalar;
+}
+
+void select_isa(const std::string& requested) {
+  const Isa cpu = detect_cpu_isa();
+  Isa wanted = cpu;
+  if (!requested.empty()) {
+    wanted = parse_isa(requested);
+    if (wanted > cpu)
+      throw std::invalid_argument("ATTNX_ISA='" + requested + "' but this CPU supports at most '" +
+                                  isa_name(cpu) + "'");
+  }
+  g_active_isa = wanted < kBestCompiledIsa ? wanted : kBestCompiledIsa;
+}
+
+Isa active_isa() { return g_active_isa.load(); }
+
+const KernelTable<float>& active_kernels(float) { return scalar_kernels_f32(); }
+const KernelTable<double>& active_kernels(double) { return scalar_kernels_f64(); }
+
+}  // namespace attnx

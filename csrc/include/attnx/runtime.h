@@ -1,0 +1,28 @@
+// Runtime configuration: which SIMD kernel runs and how many threads.
+#pragma once
+
+#include <string>
+
+namespace attnx {
+
+// The instruction sets a kernel can be built for, lowest first.
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+const char* isa_name(Isa isa);
+
+// The best instruction set this CPU (and OS) supports.
+Isa detect_cpu_isa();
+
+// The kernel in use. Chosen once, from CPUID and the ATTNX_ISA variable.
+Isa active_isa();
+
+// Chooses the kernel from an ATTNX_ISA value ("" = best available).
+// Throws std::invalid_argument for an unknown name or one the CPU lacks.
+void select_isa(const std::string& requested);
+
+int get_num_threads();
+void set_num_threads(int n);  // n >= 1
+bool have_openmp();
+std::string compiler_name();
+
+}  // namespace attnx

@@ -1,0 +1,44 @@
+// Strided, non-owning views of the arrays the core reads and writes.
+//
+// The bindings build these straight from NumPy arrays without copying, so a
+// broadcast operand (stride 0), a transposed one or a reversed one (negative
+// stride) is read in place. Strides are in elements, not bytes.
+#pragma once
+
+#include <cstdint>
+
+namespace attnx {
+
+template <typename T, int Rank>
+struct StridedView {
+  T* data = nullptr;
+  int64_t shape[Rank] = {};
+  int64_t stride[Rank] = {};
+
+  bool present() const { return data != nullptr; }
+
+  // Pointer to the element at the given leading indices; the remaining
+  // indices are zero. Used to reach a row whose last dim is then walked.
+  template <typename... Index>
+  T* at(Index... index) const {
+    static_assert(sizeof...(Index) <= Rank, "too many indices");
+    const int64_t idx[] = {static_cast<int64_t>(index)...};
+    int64_t offset = 0;
+    for (int d = 0; d < static_cast<int>(sizeof...(Index)); ++d) offset += idx[d] * stride[d];
+    return data + offset;
+  }
+};
+
+// A matrix whose rows are contiguous (weights, packed buffers).
+template <typename T>
+struct RowMajorView {
+  T* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+
+  bool present() const { return data != nullptr; }
+  T* row(int64_t r) const { return data + r * row_stride; }
+};
+
+}  // namespace attnx

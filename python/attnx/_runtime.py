@@ -1,0 +1,49 @@
+"""Threads, the kernel in use, and build facts."""
+
+from __future__ import annotations
+
+import os
+
+from . import _core
+from ._arrays import as_positive_int
+
+
+def _select_isa_from_environment() -> None:
+    # Chosen once, at import: ATTNX_ISA forces a kernel lower than the CPU's
+    # best, and a name the CPU cannot run is an error rather than a crash.
+    _core.select_isa(os.environ.get("ATTNX_ISA", "").strip().lower())
+
+
+def set_num_threads(n: int) -> None:
+    """Set the number of threads attnx's kernels use (process-wide).
+
+    Parameters
+    ----------
+    n : int
+        At least 1. The default is OpenMP's, which honours ``OMP_NUM_THREADS``.
+    """
+    _core.set_num_threads(as_positive_int(n, "n"))
+
+
+def get_num_threads() -> int:
+    """The number of threads attnx's kernels use."""
+    return _core.get_num_threads()
+
+
+def show_config() -> dict:
+    """How this attnx was built and what it runs with.
+
+    Returns
+    -------
+    dict
+        ``version``, ``isa`` (the SIMD kernel in use), ``cpu_isa`` (the best
+        the CPU supports), ``threads``, ``openmp`` (bool) and ``compiler``.
+    """
+    return {
+        "version": _core.__version__,
+        "isa": _core.active_isa(),
+        "cpu_isa": _core.cpu_isa(),
+        "threads": _core.get_num_threads(),
+        "openmp": _core.have_openmp(),
+        "compiler": _core.compiler(),
+    }

@@ -1,0 +1,471 @@
+"""The functional API: torch.nn.functional's attention, for NumPy arrays.
+
+This module owns PyTorch's semantics: argument checking, shape rules,
+broadcasting and mask conventions. It hands the C++ core canonical strided
+views -- (B, H, L, E) for sdpa, (N, L, E) for multi-head attention -- and the
+core does all the arithmetic with the GIL released.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _core
+from ._arrays import (
+    additive_mask,
+    as_bool_flag,
+    as_finite_scale,
+    as_float,
+    as_positive_int,
+    check_out,
+    compute_dtype,
+    kernel_layout,
+    merge_leading,
+    shape_str,
+)
+
+__all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    out=None,
+):
+    """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Computes ``softmax(query @ key^T * scale + mask) @ value`` without storing
+    the ``L x S`` score matrix.
+
+    Parameters
+    ----------
+    query : array_like, shape (..., Hq, L, E)
+        float32 or float64; its dtype is the compute dtype. Also ``(L, E)``
+        or ``(N, L, E)``.
+    key : array_like, shape (..., Hk, S, E)
+    value : array_like, shape (..., Hk, S, Ev)
+        Leading batch dims of query, key and value broadcast against each other.
+    attn_mask : array_like, optional
+        Broadcastable to ``(..., Hq, L, S)``. bool: True means the query may
+        attend the key. float: added to the scores.
+    is_causal : bool, default False
+        Query ``i`` attends key ``j`` iff ``j <= i`` (top-left aligned). Not
+        allowed together with ``attn_mask``.
+    scale : float, optional
+        Defaults to ``1 / sqrt(E)``.
+    enable_gqa : bool, default False
+        Grouped-query attention: ``Hq`` must be a multiple of ``Hk``, and
+        query head ``h`` uses key/value head ``h // (Hq // Hk)``.
+    out : ndarray, optional
+        C-contiguous array of the result's shape and dtype to write into.
+
+    Returns
+    -------
+    ndarray, shape (..., Hq, L, Ev)
+        A query row whose keys are all masked gives zeros, never NaN.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> q = k = v = np.ones((2, 4, 8, 16), np.float32)
+    >>> attnx.scaled_dot_product_attention(q, k, v, is_causal=True).shape
+    (2, 4, 8, 16)
+    """
+    dtype = compute_dtype(query)
+    q = as_float(query, dtype, "query")
+    k = as_float(key, dtype, "key")
+    v = as_float(value, dtype, "value")
+    is_causal = as_bool_flag(is_causal, "is_causal")
+    enable_gqa = as_bool_flag(enable_gqa, "enable_gqa")
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape {shape_str(x.shape)}")
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask and is_causal=True cannot both be given")
+
+    L, E = q.shape[-2:]
+    S, E_k = k.shape[-2:]
+    S_v, Ev = v.shape[-2:]
+    if E_k != E:
+        raise ValueError(
+            f"query and key must have the same last dimension: query {shape_str(q.shape)}, key {shape_str(k.shape)}"
+        )
+    if S_v != S:
+        raise ValueError(
+            f"key and value must have the same sequence length (dim -2): key {shape_str(k.shape)}, value {shape_str(v.shape)}"
+        )
+
+    # Canonical form: (lead..., H, L, E), with dim -3 the head dim.
+    out_ndim = max(q.ndim, k.ndim, v.ndim)
+    nd = max(out_ndim, 3)
+    batch_q, batch_k, batch_v = (((1,) * (nd - x.ndim)) + x.shape[:-2] for x in (q, k, v))
+    try:
+        if enable_gqa:
+            Hq, Hk = batch_q[-1], batch_k[-1]
+            if batch_v[-1] != Hk:
+                raise ValueError(
+                    f"with enable_gqa, key and value must have the same number of heads (dim -3): "
+                    f"key {shape_str(k.shape)}, value {shape_str(v.shape)}"
+                )
+            if Hk == 0 or Hq % Hk != 0:
+                raise ValueError(
+                    f"with enable_gqa, query heads must be a multiple of key heads (dim -3): "
+                    f"query {shape_str(q.shape)}, key {shape_str(k.shape)}"
+                )
+            lead = np.broadcast_shapes(batch_q[:-1], batch_k[:-1], batch_v[:-1])
+        else:
+            *lead, Hq = np.broadcast_shapes(batch_q, batch_k, batch_v)
+            lead, Hk = tuple(lead), Hq
+    except ValueError as exc:
+        if "enable_gqa" in str(exc):
+            raise
+        raise ValueError(
+            f"the batch dims of query {shape_str(q.shape)}, key {shape_str(k.shape)} and value "
+            f"{shape_str(v.shape)} do not broadcast"
+        ) from None
+
+    full_batch = lead + (Hq,)
+    result_shape = full_batch[len(full_batch) - (out_ndim - 2):] + (L, Ev)
+    nlead = len(lead)
+    q4 = merge_leading(np.broadcast_to(q.reshape(batch_q + (L, E)), full_batch + (L, E)), nlead)
+    k4 = merge_leading(np.broadcast_to(k.reshape(batch_k + (S, E)), lead + (Hk, S, E)), nlead)
+    v4 = merge_leading(np.broadcast_to(v.reshape(batch_v + (S, Ev)), lead + (Hk, S, Ev)), nlead)
+
+    mask4 = None
+    if attn_mask is not None:
+        mask = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
+        try:
+            mask = np.broadcast_to(mask, full_batch + (L, S))
+        except ValueError:
+            raise ValueError(
+                f"attn_mask of shape {shape_str(np.shape(attn_mask))} does not broadcast to the "
+                f"scores' shape {shape_str(full_batch + (L, S))}"
+            ) from None
+        mask4 = merge_leading(mask, nlead)
+
+    scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else as_finite_scale(scale)
+
+    if out is None:
+        out = np.empty(result_shape, dtype)
+    else:
+        check_out(out, result_shape, dtype, (q, k, v, attn_mask))
+    if out.size == 0:
+        return out
+    out4 = out.reshape(q4.shape[:3] + (Ev,))
+    _core.sdpa(
+        kernel_layout(q4),
+        kernel_layout(k4),
+        kernel_layout(v4),
+        None if mask4 is None else kernel_layout(mask4, contiguous_last=False),
+        is_causal,
+        scale,
+        out4,
+        None,
+    )
+    return out
+
+
+def _check_mha_ranks(query, key, value, key_padding_mask, attn_mask, num_heads) -> bool:
+    """torch's rules for batched (3-D) and unbatched (2-D) inputs; returns batched."""
+    if query.ndim == 3:
+        if key.ndim != 3 or value.ndim != 3:
+            raise ValueError(
+                f"for a batched (3-D) query, key and value must be 3-D: query {shape_str(query.shape)}, "
+                f"key {shape_str(key.shape)}, value {shape_str(value.shape)}"
+            )
+        if key_padding_mask is not None and np.ndim(key_padding_mask) != 2:
+            raise ValueError(
+                f"for a batched (3-D) query, key_padding_mask must be 2-D (N, S), got shape "
+                f"{shape_str(np.shape(key_padding_mask))}"
+            )
+        if attn_mask is not None and np.ndim(attn_mask) not in (2, 3):
+            raise ValueError(
+                f"attn_mask must be 2-D (L, S) or 3-D (N*num_heads, L, S), got shape {shape_str(np.shape(attn_mask))}"
+            )
+        return True
+    if query.ndim == 2:
+        if key.ndim != 2 or value.ndim != 2:
+            raise ValueError(
+                f"for an unbatched (2-D) query, key and value must be 2-D: query {shape_str(query.shape)}, "
+                f"key {shape_str(key.shape)}, value {shape_str(value.shape)}"
+            )
+        if key_padding_mask is not None and np.ndim(key_padding_mask) != 1:
+            raise ValueError(
+                f"for an unbatched (2-D) query, key_padding_mask must be 1-D (S,), got shape "
+                f"{shape_str(np.shape(key_padding_mask))}"
+            )
+        if attn_mask is not None and np.ndim(attn_mask) not in (2, 3):
+            raise ValueError(
+                f"attn_mask must be 2-D (L, S) or 3-D (num_heads, L, S), got shape {shape_str(np.shape(attn_mask))}"
+            )
+        return False
+    raise ValueError(f"query must be 2-D (unbatched) or 3-D (batched), got shape {shape_str(query.shape)}")
+
+
+def _param(x, dtype, name, shape) -> np.ndarray:
+    """A weight or bias as the compute dtype, with exactly `shape`."""
+    a = as_float(x, dtype, name)
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape_str(shape)}, got {shape_str(a.shape)}")
+    return a
+
+
+def multi_head_attention_forward(
+    query,
+    key,
+    value,
+    embed_dim_to_check,
+    num_heads,
+    in_proj_weight,
+    in_proj_bias,
+    bias_k,
+    bias_v,
+    add_zero_attn,
+    dropout_p,
+    out_proj_weight,
+    out_proj_bias,
+    training=True,
+    key_padding_mask=None,
+    need_weights=True,
+    attn_mask=None,
+    use_separate_proj_weight=False,
+    q_proj_weight=None,
+    k_proj_weight=None,
+    v_proj_weight=None,
+    static_k=None,
+    static_v=None,
+    average_attn_weights=True,
+    is_causal=False,
+    *,
+    batch_first=False,
+):
+    """Multi-head attention forward, as ``torch.nn.functional.multi_head_attention_forward``.
+
+    Same positional order and keyword names as torch's function.
+
+    Parameters
+    ----------
+    query : array_like, shape (L, N, E), or (N, L, E) with ``batch_first``, or (L, E)
+    key : array_like, shape (S, N, kdim), or (N, S, kdim) with ``batch_first``, or (S, kdim)
+    value : array_like, shape (S, N, vdim), or (N, S, vdim) with ``batch_first``, or (S, vdim)
+    embed_dim_to_check : int
+        Must equal E, the query's last dimension.
+    num_heads : int
+        Must divide E.
+    in_proj_weight : array_like, shape (3E, E), or None with ``use_separate_proj_weight``
+    in_proj_bias : array_like, shape (3E,), or None
+    bias_k, bias_v : array_like of E elements, or None
+        Appended to the keys and values as one more position.
+    add_zero_attn : bool
+        Append one all-zero key and value position.
+    dropout_p : float
+        Must be 0.0 unless ``training=False`` (attnx is an inference library).
+    out_proj_weight : array_like, shape (E, E)
+    out_proj_bias : array_like, shape (E,), or None
+    training : bool
+    key_padding_mask : array_like, shape (N, S), optional
+        bool: True means the key is ignored; float: added to the scores.
+    need_weights : bool
+        Also return the attention weights.
+    attn_mask : array_like, shape (L, S) or (N * num_heads, L, S), optional
+        bool: True means *not* allowed to attend; float: added to the scores.
+    use_separate_proj_weight : bool
+        Use ``q_proj_weight`` (E, E), ``k_proj_weight`` (E, kdim) and
+        ``v_proj_weight`` (E, vdim) instead of ``in_proj_weight``.
+    static_k, static_v : array_like, shape (N * num_heads, S, E / num_heads), optional
+        Use these keys/values instead of projecting ``key``/``value``.
+    average_attn_weights : bool
+        Average the returned weights over heads.
+    is_causal : bool
+        Apply the causal (top-left) mask. Unlike torch, it needs no
+        ``attn_mask``; when one is given, it is used as given.
+    batch_first : bool, keyword-only
+        Inputs and output are (N, L, E) (an attnx addition).
+
+    Returns
+    -------
+    attn_output : ndarray, shape (L, N, E) (or (N, L, E) / (L, E))
+    attn_weights : ndarray or None
+        (N, L, S') averaged, or (N, num_heads, L, S'); None unless ``need_weights``.
+        ``S'`` counts the bias_k and zero-attention positions.
+
+    Notes
+    -----
+    A query row whose keys are all masked gives a zero attention row (the
+    output row equals ``out_proj_bias``) and zero weights, where torch gives NaN.
+    """
+    dtype = compute_dtype(query)
+    q = as_float(query, dtype, "query")
+    k = as_float(key, dtype, "key")
+    v = as_float(value, dtype, "value")
+    training = as_bool_flag(training, "training")
+    need_weights = as_bool_flag(need_weights, "need_weights")
+    add_zero_attn = as_bool_flag(add_zero_attn, "add_zero_attn")
+    average_attn_weights = as_bool_flag(average_attn_weights, "average_attn_weights")
+    use_separate_proj_weight = as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight")
+    is_causal = as_bool_flag(is_causal, "is_causal")
+    batch_first = as_bool_flag(batch_first, "batch_first")
+    try:
+        dropout_p = float(dropout_p)
+    except (TypeError, ValueError):
+        raise TypeError(f"dropout_p must be a float, got {dropout_p!r}") from None
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if dropout_p > 0.0 and training:
+        raise NotImplementedError(
+            "attention dropout is not supported (attnx is for inference): pass dropout_p=0.0 or training=False"
+        )
+    num_heads = as_positive_int(num_heads, "num_heads")
+
+    batched = _check_mha_ranks(q, k, v, key_padding_mask, attn_mask, num_heads)
+    if batched:
+        # Canonical (N, L, E) views; the output is written through the same transpose.
+        if not batch_first:
+            q, k, v = (x.transpose(1, 0, 2) for x in (q, k, v))
+    else:
+        q, k, v = q[None], k[None], v[None]
+    N, L, E = q.shape
+    S = k.shape[1]
+    kdim, vdim = k.shape[2], v.shape[2]
+
+    if embed_dim_to_check != E:
+        raise ValueError(f"embed_dim_to_check ({embed_dim_to_check}) does not match the query's last dimension ({E})")
+    if E == 0 or E % num_heads != 0:
+        raise ValueError(f"embed_dim ({E}) must be a positive multiple of num_heads ({num_heads})")
+    head_dim = E // num_heads
+    if k.shape[0] != N or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"key and value must have the query's batch size and the same length: query {shape_str(np.shape(query))}, "
+            f"key {shape_str(np.shape(key))}, value {shape_str(np.shape(value))}"
+        )
+
+    # Projection weights: views into the packed in_proj_weight, or the separate ones.
+    if use_separate_proj_weight:
+        for name, w in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight), ("v_proj_weight", v_proj_weight)):
+            if w is None:
+                raise ValueError(f"use_separate_proj_weight=True requires {name}")
+        w_q = _param(q_proj_weight, dtype, "q_proj_weight", (E, E))
+        w_k = _param(k_proj_weight, dtype, "k_proj_weight", (E, kdim))
+        w_v = _param(v_proj_weight, dtype, "v_proj_weight", (E, vdim))
+    else:
+        if in_proj_weight is None:
+            raise ValueError("in_proj_weight is required unless use_separate_proj_weight=True")
+        if kdim != E or vdim != E:
+            raise ValueError(
+                f"a packed in_proj_weight needs key and value of the query's width {E}, got key "
+                f"{shape_str(np.shape(key))}, value {shape_str(np.shape(value))}; use use_separate_proj_weight=True"
+            )
+        w_in = _param(in_proj_weight, dtype, "in_proj_weight", (3 * E, E))
+        w_q, w_k, w_v = w_in[:E], w_in[E : 2 * E], w_in[2 * E :]
+    b_q = b_k = b_v = None
+    if in_proj_bias is not None:
+        b_in = _param(in_proj_bias, dtype, "in_proj_bias", (3 * E,))
+        b_q, b_k, b_v = b_in[:E], b_in[E : 2 * E], b_in[2 * E :]
+    if out_proj_weight is None:
+        raise ValueError("out_proj_weight is required")
+    w_out = _param(out_proj_weight, dtype, "out_proj_weight", (E, E))
+    b_out = None if out_proj_bias is None else _param(out_proj_bias, dtype, "out_proj_bias", (E,))
+
+    if (bias_k is None) != (bias_v is None):
+        raise ValueError("bias_k and bias_v must both be given or both be None")
+    if bias_k is not None:
+        if static_k is not None or static_v is not None:
+            raise ValueError("bias_k/bias_v cannot be added to static_k/static_v")
+        bias_k, bias_v = (as_float(b, dtype, name) for b, name in ((bias_k, "bias_k"), (bias_v, "bias_v")))
+        for name, b in (("bias_k", bias_k), ("bias_v", bias_v)):
+            if b.size != E:
+                raise ValueError(f"{name} must have {E} elements (shape (1, 1, {E})), got shape {shape_str(b.shape)}")
+        bias_k, bias_v = bias_k.reshape(E), bias_v.reshape(E)
+
+    statics = []
+    for name, st in (("static_k", static_k), ("static_v", static_v)):
+        if st is not None:
+            st = as_float(st, dtype, name)
+            if st.ndim != 3 or st.shape[0] != N * num_heads or st.shape[2] != head_dim:
+                raise ValueError(
+                    f"{name} must have shape (N*num_heads, S, head_dim) = ({N * num_heads}, S, {head_dim}), "
+                    f"got {shape_str(st.shape)}"
+                )
+            st = st.reshape(N, num_heads, st.shape[1], head_dim)
+        statics.append(st)
+    static_k, static_v = statics
+    S_k = S if static_k is None else static_k.shape[2]
+    S_v = S if static_v is None else static_v.shape[2]
+    if S_k != S_v:
+        raise ValueError(f"keys and values have different lengths: {S_k} and {S_v} (check static_k/static_v)")
+    S_src = S_k
+
+    # Masks, as additive (N, H, L, S_src) views of their own storage.
+    masks = {}
+    if key_padding_mask is not None:
+        kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask", true_means_masked=True)
+        if not batched:
+            kpm = kpm[None]
+        if kpm.shape != (N, S_src):
+            raise ValueError(
+                f"key_padding_mask must have shape (N, S) = {shape_str((N, S_src))}, got {shape_str(np.shape(key_padding_mask))}"
+            )
+        masks["key_padding_mask"] = np.broadcast_to(kpm[:, None, None, :], (N, num_heads, L, S_src))
+    if attn_mask is not None:
+        am = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=True)
+        if am.ndim == 2:
+            if am.shape != (L, S_src):
+                raise ValueError(
+                    f"2-D attn_mask must have shape (L, S) = {shape_str((L, S_src))}, got {shape_str(am.shape)}"
+                )
+            am = np.broadcast_to(am, (N, num_heads, L, S_src))
+        else:
+            if am.shape != (N * num_heads, L, S_src):
+                raise ValueError(
+                    f"3-D attn_mask must have shape (N*num_heads, L, S) = {shape_str((N * num_heads, L, S_src))}, "
+                    f"got {shape_str(am.shape)}"
+                )
+            am = am.reshape(N, num_heads, L, S_src)
+        masks["attn_mask"] = am
+    causal = is_causal and attn_mask is None
+
+    S_total = S_src + (bias_k is not None) + add_zero_attn
+    weights = None
+    if need_weights:
+        w_shape = (N, L, S_total) if average_attn_weights else (N, num_heads, L, S_total)
+        weights = np.empty(w_shape, dtype)
+    if batched and not batch_first:
+        out = np.empty((L, N, E), dtype)
+        out_view = out.transpose(1, 0, 2)
+    else:
+        out = out_view = np.empty((N, L, E), dtype)
+
+    _core.mha(
+        num_heads,
+        kernel_layout(q),
+        kernel_layout(k),
+        kernel_layout(v),
+        kernel_layout(w_q),
+        kernel_layout(w_k),
+        kernel_layout(w_v),
+        *(None if b is None else np.ascontiguousarray(b) for b in (b_q, b_k, b_v, bias_k, bias_v)),
+        add_zero_attn,
+        None if static_k is None else kernel_layout(static_k),
+        None if static_v is None else kernel_layout(static_v),
+        masks.get("attn_mask"),
+        masks.get("key_padding_mask"),
+        causal,
+        kernel_layout(w_out),
+        None if b_out is None else np.ascontiguousarray(b_out),
+        out_view,
+        weights,
+        average_attn_weights,
+    )
+    if not batched:
+        out = out[0]
+        if weights is not None:
+            weights = weights[0]
+    return out, weights
