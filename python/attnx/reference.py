@@ -1,0 +1,516 @@
+"""Plain-NumPy reference implementation ("oracle") of attnx's attention functions.
+
+This module is the executable specification of attnx's numbers. It computes exactly what
+:func:`attnx.scaled_dot_product_attention` and :func:`attnx.multi_head_attention_forward`
+compute, but with plain NumPy, one step at a time, written to be read rather than to be fast.
+Use it to check results of the fast C++ kernels (the test suite does), or to see precisely
+what a corner case is supposed to give.
+
+The semantics are PyTorch's (``torch.nn.functional.scaled_dot_product_attention`` and
+``torch.nn.functional.multi_head_attention_forward``) with attnx's documented deviations:
+
+* A query row that may attend to no key at all (every key masked, or no keys) gets a zero
+  attention row, so its output is zero (sdpa) or ``out_proj_bias`` (MHA), never NaN.
+* A masked key is ignored completely: NaN or Inf in it reaches no row that may not attend to
+  it. NaN or Inf in anything a row does attend to propagates to that row.
+* ``is_causal=True`` in :func:`multi_head_attention_forward` works without ``attn_mask``; when
+  ``attn_mask`` is given as well, the mask is used as given.
+* Dropout is not supported (this is an inference library).
+
+Only NumPy is imported.
+"""
+
+import math
+
+import numpy as np
+
+__all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Input conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(query):
+    """The dtype every computation runs in: the query's (float32 or float64)."""
+    dtype = np.asarray(query).dtype
+    if dtype == np.float64:
+        return np.dtype(np.float64)
+    if dtype == np.float32:
+        return np.dtype(np.float32)
+    # Half-precision storage (float16, ml_dtypes' bfloat16) is computed in float32.
+    if dtype == np.float16 or dtype.name == "bfloat16":
+        return np.dtype(np.float32)
+    if np.issubdtype(dtype, np.floating):
+        return np.dtype(np.float64)
+    raise TypeError(f"query must be a float32 or float64 array, got dtype {dtype}")
+
+
+def _as_float(array, dtype, name):
+    """``array`` as an ndarray of the compute dtype; integer, bool or complex raise TypeError."""
+    array = np.asarray(array)
+    if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
+        raise TypeError(f"{name} must be a floating point array, got dtype {array.dtype}")
+    return array.astype(dtype, copy=False)
+
+
+def _mask_to_bias(mask, name, dtype, true_means_masked):
+    """Turn a bool or float mask into an additive bias: 0 where allowed, -inf where masked.
+
+    Bool masks mean "may attend" in sdpa and "may NOT attend" in MHA, as in torch; float
+    masks are already additive and are only converted to the compute dtype.
+    """
+    mask = np.asarray(mask)
+    if mask.dtype == np.bool_:
+        masked = mask if true_means_masked else ~mask
+        return np.where(masked, -np.inf, 0.0).astype(dtype)
+    if np.issubdtype(mask.dtype, np.floating):
+        return mask.astype(dtype, copy=False)
+    raise TypeError(f"{name} must be a bool or floating point array, got dtype {mask.dtype}")
+
+
+def _causal_bias(tgt_len, src_len, dtype):
+    """Top-left aligned causal mask as a bias: query i may attend key j iff j <= i."""
+    future = np.arange(src_len)[None, :] > np.arange(tgt_len)[:, None]
+    return np.where(future, -np.inf, 0.0).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention core shared by both functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _attention(q, k, v, bias, scale):
+    """softmax(scale * q @ k^T + bias) @ v, with attnx's rules for masked keys.
+
+    q ``(..., L, E)``, k ``(..., S, E)``, v ``(..., S, Ev)``, bias broadcastable to
+    ``(..., L, S)`` or None. A key is masked for a query row where its bias is -inf.
+    Returns ``(output (..., L, Ev), weights (..., L, S))``.
+    """
+    # NaN/Inf in the inputs are meant to propagate; numpy's warnings about them are noise.
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _attention_core(q, k, v, bias, scale)
+
+
+def _attention_core(q, k, v, bias, scale):
+    # Scaling q first (rather than the scores) is what torch does and keeps E = 0 finite.
+    scores = np.matmul(q * q.dtype.type(scale), np.swapaxes(k, -1, -2))
+    if bias is None:
+        bias = np.zeros((), dtype=scores.dtype)
+    allowed = np.broadcast_to(bias != -np.inf, np.broadcast_shapes(scores.shape, bias.shape))
+
+    # Masked keys are replaced by -inf outright, so that a NaN or +inf score of a masked key
+    # (from NaN/Inf in its data) cannot leak into the row.
+    logits = np.where(allowed, scores + bias, -np.inf)
+
+    # Max-subtracted softmax over the allowed keys. A row with no allowed key (fully masked,
+    # or S = 0) would give -inf - -inf = NaN; it is defined to be a zero row instead.
+    any_allowed = allowed.any(axis=-1, keepdims=True)
+    row_max = np.max(logits, axis=-1, keepdims=True, initial=-np.inf)
+    row_max = np.where(any_allowed, row_max, 0.0)
+    exps = np.where(allowed, np.exp(logits - row_max), 0.0)
+    denom = exps.sum(axis=-1, keepdims=True)
+    weights = exps / np.where(any_allowed, denom, 1.0)
+    weights = weights.astype(scores.dtype, copy=False)
+
+    if np.isfinite(v).all():
+        output = np.matmul(weights, v)
+    else:
+        # 0 * inf = NaN: a plain matmul would let NaN/Inf of a masked key's value into rows
+        # that ignore that key. Sum only the terms of allowed keys (memory L*S*Ev, rare path).
+        terms = weights[..., :, :, None] * v[..., None, :, :]
+        output = np.where(allowed[..., None], terms, 0.0).sum(axis=-2).astype(weights.dtype)
+    return output, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# scaled_dot_product_attention
+# ---------------------------------------------------------------------------------------------
+
+
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False
+):
+    """Reference scaled dot-product attention, as torch's ``scaled_dot_product_attention``.
+
+    Parameters
+    ----------
+    query : array_like, shape ``(..., Hq, L, E)``, ``(N, L, E)`` or ``(L, E)``
+        Queries. Its dtype (float32 or float64) is the compute and result dtype.
+    key : array_like, shape ``(..., Hk, S, E)``
+        Keys. Leading batch dimensions broadcast against the query's.
+    value : array_like, shape ``(..., Hk, S, Ev)``
+        Values.
+    attn_mask : array_like, optional
+        Broadcastable to ``(..., Hq, L, S)``. Bool: True means the query may attend to the
+        key. Float: added to the scores (-inf masks the key).
+    is_causal : bool, default False
+        Query i attends key j only if ``j <= i`` (top-left aligned). Must not be combined
+        with ``attn_mask``.
+    scale : float, optional
+        Multiplies ``query @ key^T``; default ``1 / sqrt(E)``.
+    enable_gqa : bool, default False
+        Grouped-query attention: ``Hq`` must be a multiple of ``Hk``, and query head ``h``
+        uses key/value head ``h // (Hq // Hk)``.
+
+    Returns
+    -------
+    ndarray, shape ``(..., Hq, L, Ev)``
+        The attention output. A query row with no key to attend to is all zeros.
+
+    Raises
+    ------
+    TypeError
+        Integer, bool or complex inputs; masks that are neither bool nor float.
+    ValueError
+        Mismatched shapes, ``is_causal`` together with ``attn_mask``, a non-finite
+        ``scale``, or a bad grouped-query head count.
+    """
+    dtype = _compute_dtype(query)
+    q = _as_float(query, dtype, "query")
+    k = _as_float(key, dtype, "key")
+    v = _as_float(value, dtype, "value")
+
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+        raise ValueError(
+            f"query, key and value must have at least 2 dimensions, got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"query {q.shape} and key {k.shape} differ in the last dimension")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"key {k.shape} and value {v.shape} differ in sequence length")
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask and is_causal=True cannot be used together")
+
+    if enable_gqa and q.ndim >= 3 and k.ndim >= 3 and v.ndim >= 3:
+        q_heads, kv_heads = q.shape[-3], k.shape[-3]
+        if v.shape[-3] != kv_heads or kv_heads == 0 or q_heads % kv_heads != 0:
+            raise ValueError(
+                f"enable_gqa: query heads ({q_heads}) must be a multiple of key/value heads "
+                f"(key {k.shape}, value {v.shape})"
+            )
+        # Head h of the query reads kv head h // group: repeat each kv head `group` times.
+        group = q_heads // kv_heads
+        k = np.repeat(k, group, axis=-3)
+        v = np.repeat(v, group, axis=-3)
+
+    try:
+        batch_shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            f"batch dimensions of query {q.shape}, key {k.shape} and value {v.shape} "
+            "do not broadcast"
+        ) from None
+    tgt_len, src_len = q.shape[-2], k.shape[-2]
+    scores_shape = batch_shape + (tgt_len, src_len)
+
+    bias = None
+    if attn_mask is not None:
+        bias = _mask_to_bias(attn_mask, "attn_mask", dtype, true_means_masked=False)
+        try:
+            np.broadcast_to(bias, scores_shape)
+        except ValueError:
+            raise ValueError(
+                f"attn_mask of shape {bias.shape} does not broadcast to the scores' shape "
+                f"{scores_shape}"
+            ) from None
+    elif is_causal:
+        bias = _causal_bias(tgt_len, src_len, dtype)
+
+    if scale is None:
+        head_size = q.shape[-1]
+        scale = 1.0 / math.sqrt(head_size) if head_size > 0 else 1.0
+    else:
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+
+    output, _ = _attention(q, k, v, bias, scale)
+    return output
+
+
+# ---------------------------------------------------------------------------------------------
+# multi_head_attention_forward
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear(x, weight, bias):
+    """x @ weight^T + bias, as torch.nn.functional.linear."""
+    y = np.matmul(x, weight.T)
+    return y if bias is None else y + bias
+
+
+def multi_head_attention_forward(
+    query,
+    key,
+    value,
+    embed_dim_to_check,
+    num_heads,
+    in_proj_weight,
+    in_proj_bias,
+    bias_k,
+    bias_v,
+    add_zero_attn,
+    dropout_p,
+    out_proj_weight,
+    out_proj_bias,
+    training=True,
+    key_padding_mask=None,
+    need_weights=True,
+    attn_mask=None,
+    use_separate_proj_weight=False,
+    q_proj_weight=None,
+    k_proj_weight=None,
+    v_proj_weight=None,
+    static_k=None,
+    static_v=None,
+    average_attn_weights=True,
+    is_causal=False,
+    *,
+    batch_first=False,
+):
+    """Reference multi-head attention, as torch's ``multi_head_attention_forward``.
+
+    Parameters
+    ----------
+    query : array_like, shape ``(L, N, E)``, ``(N, L, E)`` with ``batch_first``, or ``(L, E)``
+        Queries; its dtype (float32 or float64) is the compute and result dtype.
+    key : array_like, shape ``(S, N, Ek)`` (``(N, S, Ek)`` with ``batch_first``) or ``(S, Ek)``
+        Keys. ``Ek`` may differ from ``E`` only with ``use_separate_proj_weight``.
+    value : array_like, shape ``(S, N, Ev)`` (``(N, S, Ev)`` with ``batch_first``) or ``(S, Ev)``
+        Values.
+    embed_dim_to_check : int
+        Must equal ``E``.
+    num_heads : int
+        Number of heads; must divide ``E``. The head size is ``E // num_heads``.
+    in_proj_weight : array_like, shape ``(3E, E)``, or None
+        Packed q, k, v projection weights (used unless ``use_separate_proj_weight``).
+    in_proj_bias : array_like, shape ``(3E,)``, or None
+        Packed q, k, v projection biases.
+    bias_k, bias_v : array_like, shape ``(1, 1, E)``, or None
+        Appended to the projected keys/values as one extra key position (both or neither).
+    add_zero_attn : bool
+        Append one all-zero key/value position after the projection (and after ``bias_k``).
+    dropout_p : float
+        Must be 0 unless ``training`` is False (dropout is not supported).
+    out_proj_weight : array_like, shape ``(E_out, E)``
+        Output projection weight.
+    out_proj_bias : array_like, shape ``(E_out,)``, or None
+        Output projection bias.
+    training : bool, default True
+        Only matters for ``dropout_p``.
+    key_padding_mask : array_like, shape ``(N, S)`` (``(S,)`` unbatched), optional
+        Bool: True means the key is padding and is ignored. Float: added to the scores.
+    need_weights : bool, default True
+        Return the attention weights as well.
+    attn_mask : array_like, shape ``(L, S)`` or ``(N * num_heads, L, S)``, optional
+        Bool: True means the query may NOT attend to the key. Float: added to the scores.
+    use_separate_proj_weight : bool, default False
+        Use ``q_proj_weight`` ``(E, E)``, ``k_proj_weight`` ``(E, Ek)`` and ``v_proj_weight``
+        ``(E, Ev)`` instead of ``in_proj_weight``.
+    q_proj_weight, k_proj_weight, v_proj_weight : array_like, optional
+        The separate projection weights.
+    static_k, static_v : array_like, shape ``(N * num_heads, S, E // num_heads)``, optional
+        Already projected, head-split keys/values used instead of projecting ``key``/``value``.
+    average_attn_weights : bool, default True
+        Average the returned weights over the heads.
+    is_causal : bool, default False
+        Without ``attn_mask``: query i may attend key j only if ``j <= i`` (top-left aligned,
+        over the keys before ``bias_k``/``add_zero_attn`` positions, which stay visible).
+        With ``attn_mask``: ignored, the mask is used as given.
+    batch_first : bool, keyword-only, default False
+        Batched inputs and output are ``(N, L, E)`` instead of ``(L, N, E)``.
+
+    Returns
+    -------
+    attn_output : ndarray, shape ``(L, N, E_out)``, ``(N, L, E_out)`` or ``(L, E_out)``
+        A query row with no key to attend to gets ``out_proj_bias`` (or zeros).
+    attn_weights : ndarray or None
+        ``(N, L, S')`` averaged over heads, or ``(N, num_heads, L, S')`` when
+        ``average_attn_weights`` is False (without ``N`` when unbatched), where ``S'`` counts
+        the ``bias_k`` and ``add_zero_attn`` positions. None when ``need_weights`` is False.
+
+    Raises
+    ------
+    NotImplementedError
+        ``dropout_p > 0`` with ``training=True``.
+    TypeError
+        Integer, bool or complex inputs; masks that are neither bool nor float.
+    ValueError
+        Shapes that do not fit together.
+    """
+    if dropout_p > 0.0 and training:
+        raise NotImplementedError("dropout is not supported: use dropout_p=0.0 or training=False")
+
+    dtype = _compute_dtype(query)
+    query = _as_float(query, dtype, "query")
+    key = _as_float(key, dtype, "key")
+    value = _as_float(value, dtype, "value")
+
+    # --- Shapes: work on sequence-first, batched (L, N, E) arrays ------------------------
+    if query.ndim not in (2, 3):
+        raise ValueError(f"query must be 2-D (unbatched) or 3-D (batched), got {query.shape}")
+    if key.ndim != query.ndim or value.ndim != query.ndim:
+        raise ValueError(
+            f"query, key and value must have the same rank, got {query.shape}, {key.shape}, "
+            f"{value.shape}"
+        )
+    is_batched = query.ndim == 3
+    if is_batched and batch_first:
+        query, key, value = (np.swapaxes(x, 0, 1) for x in (query, key, value))
+    if not is_batched:
+        # An unbatched call is a batch of one.
+        query, key, value = query[:, None, :], key[:, None, :], value[:, None, :]
+        if key_padding_mask is not None:
+            key_padding_mask = np.asarray(key_padding_mask)[None]
+
+    tgt_len, batch, embed_dim = query.shape
+    src_len = key.shape[0]
+    if embed_dim != embed_dim_to_check:
+        raise ValueError(
+            f"query has embedding dimension {embed_dim}, expected embed_dim_to_check="
+            f"{embed_dim_to_check}"
+        )
+    if num_heads <= 0 or embed_dim % num_heads != 0:
+        raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+    head_dim = embed_dim // num_heads
+    if key.shape[:2] != (src_len, batch) or value.shape[:2] != (src_len, batch):
+        raise ValueError(
+            f"key {key.shape} and value {value.shape} must share sequence length and batch "
+            f"with each other and batch with query {query.shape}"
+        )
+
+    # --- In-projection -----------------------------------------------------------------
+    if use_separate_proj_weight:
+        if q_proj_weight is None or k_proj_weight is None or v_proj_weight is None:
+            raise ValueError("use_separate_proj_weight needs q_, k_ and v_proj_weight")
+        w_q = _as_float(q_proj_weight, dtype, "q_proj_weight")
+        w_k = _as_float(k_proj_weight, dtype, "k_proj_weight")
+        w_v = _as_float(v_proj_weight, dtype, "v_proj_weight")
+    else:
+        if in_proj_weight is None:
+            raise ValueError("in_proj_weight is required unless use_separate_proj_weight")
+        w_in = _as_float(in_proj_weight, dtype, "in_proj_weight")
+        if w_in.shape != (3 * embed_dim, embed_dim):
+            raise ValueError(
+                f"in_proj_weight has shape {w_in.shape}, expected {(3 * embed_dim, embed_dim)}"
+            )
+        # Packed rows are [W_q; W_k; W_v].
+        w_q, w_k, w_v = np.split(w_in, 3, axis=0)
+    for name, w, x in (("q", w_q, query), ("k", w_k, key), ("v", w_v, value)):
+        if w.shape != (embed_dim, x.shape[-1]):
+            raise ValueError(
+                f"{name} projection weight has shape {w.shape}, expected "
+                f"{(embed_dim, x.shape[-1])}"
+            )
+    if in_proj_bias is None:
+        b_q = b_k = b_v = None
+    else:
+        b_in = _as_float(in_proj_bias, dtype, "in_proj_bias")
+        if b_in.shape != (3 * embed_dim,):
+            raise ValueError(f"in_proj_bias has shape {b_in.shape}, expected {(3 * embed_dim,)}")
+        b_q, b_k, b_v = np.split(b_in, 3)
+
+    q = _linear(query, w_q, b_q)  # (L, N, E)
+    k = _linear(key, w_k, b_k)  # (S, N, E)
+    v = _linear(value, w_v, b_v)  # (S, N, E)
+
+    # --- Extra key positions from bias_k/bias_v -----------------------------------------
+    num_appended = 0  # key positions added after the real keys; masks never mask them
+    if (bias_k is None) != (bias_v is None):
+        raise ValueError("bias_k and bias_v must be given together")
+    if bias_k is not None:
+        if static_k is not None or static_v is not None:
+            raise ValueError("bias_k/bias_v cannot be combined with static_k/static_v")
+        row_k = _as_float(bias_k, dtype, "bias_k").reshape(1, 1, embed_dim)
+        row_v = _as_float(bias_v, dtype, "bias_v").reshape(1, 1, embed_dim)
+        k = np.concatenate([k, np.broadcast_to(row_k, (1, batch, embed_dim))], axis=0)
+        v = np.concatenate([v, np.broadcast_to(row_v, (1, batch, embed_dim))], axis=0)
+        num_appended += 1
+
+    # --- Split heads: (L, N, E) -> (N * H, L, head_dim), index n * H + h ------------------
+    def split_heads(x):
+        return x.reshape(x.shape[0], batch * num_heads, head_dim).transpose(1, 0, 2)
+
+    q = split_heads(q)
+    k = split_heads(k)
+    v = split_heads(v)
+    for name, static in (("static_k", static_k), ("static_v", static_v)):
+        if static is None:
+            continue
+        static = _as_float(static, dtype, name)
+        if static.ndim != 3 or static.shape[0] != batch * num_heads or static.shape[2] != head_dim:
+            raise ValueError(
+                f"{name} has shape {static.shape}, expected (N*num_heads={batch * num_heads}, "
+                f"S, head_dim={head_dim})"
+            )
+        if name == "static_k":
+            k = static
+        else:
+            v = static
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"keys ({k.shape[1]}) and values ({v.shape[1]}) differ in length")
+    base_src_len = k.shape[1] - num_appended  # the keys the masks describe
+
+    if add_zero_attn:
+        zeros = np.zeros((batch * num_heads, 1, head_dim), dtype=dtype)
+        k = np.concatenate([k, zeros], axis=1)
+        v = np.concatenate([v, zeros], axis=1)
+        num_appended += 1
+    total_src_len = k.shape[1]
+
+    # --- Masks -> one additive bias, broadcastable to (N * H, L, S') ----------------------
+    bias = np.zeros((1, tgt_len, base_src_len), dtype=dtype)
+    if attn_mask is not None:
+        mask_bias = _mask_to_bias(attn_mask, "attn_mask", dtype, true_means_masked=True)
+        allowed_shapes = ((tgt_len, base_src_len), (batch * num_heads, tgt_len, base_src_len))
+        if mask_bias.shape not in allowed_shapes:
+            raise ValueError(
+                f"attn_mask has shape {mask_bias.shape}, expected one of {allowed_shapes}"
+            )
+        bias = bias + mask_bias
+    elif is_causal:
+        bias = bias + _causal_bias(tgt_len, base_src_len, dtype)
+    if key_padding_mask is not None:
+        pad_bias = _mask_to_bias(
+            key_padding_mask, "key_padding_mask", dtype, true_means_masked=True
+        )
+        if pad_bias.shape != (batch, base_src_len):
+            raise ValueError(
+                f"key_padding_mask has shape {pad_bias.shape}, expected {(batch, base_src_len)}"
+            )
+        # Batch n's padding applies to its heads n * H ... n * H + H - 1.
+        bias = bias + np.repeat(pad_bias, num_heads, axis=0)[:, None, :]
+    # The appended bias_k / zero positions are never masked (torch pads masks with zeros).
+    bias = np.concatenate(
+        [bias, np.zeros(bias.shape[:2] + (num_appended,), dtype=dtype)], axis=-1
+    )
+
+    # --- Attention and out-projection ---------------------------------------------------
+    scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    heads_out, weights = _attention(q, k, v, bias, scale)  # (N*H, L, hd), (N*H, L, S')
+
+    # Merge heads back: (N * H, L, hd) -> (L, N, H * hd).
+    merged = heads_out.reshape(batch, num_heads, tgt_len, head_dim).transpose(2, 0, 1, 3)
+    merged = merged.reshape(tgt_len, batch, embed_dim)
+    w_out = _as_float(out_proj_weight, dtype, "out_proj_weight")
+    if w_out.ndim != 2 or w_out.shape[1] != embed_dim:
+        raise ValueError(f"out_proj_weight has shape {w_out.shape}, expected (E_out, {embed_dim})")
+    b_out = None if out_proj_bias is None else _as_float(out_proj_bias, dtype, "out_proj_bias")
+    attn_output = _linear(merged, w_out, b_out)  # (L, N, E_out)
+
+    weights = weights.reshape(batch, num_heads, tgt_len, total_src_len)
+    if average_attn_weights:
+        weights = weights.mean(axis=1)
+
+    if not is_batched:
+        attn_output = attn_output[:, 0]
+        weights = weights[0]
+    elif batch_first:
+        attn_output = np.swapaxes(attn_output, 0, 1)
+    attn_output = np.ascontiguousarray(attn_output, dtype=dtype)
+    if not need_weights:
+        return attn_output, None
+    return attn_output, np.ascontiguousarray(weights, dtype=dtype)
