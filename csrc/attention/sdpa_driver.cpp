@@ -27,19 +27,37 @@ namespace {
 constexpr int64_t kQueryBlock = 32;   // rows per task
 constexpr int64_t kKeyBlock = 128;    // keys per score tile: q rows x keys fit in L1
 
-// Adds the masks and the causal rule to the scores of query row i against
-// keys [j0, j0 + n).
+// Applies the masks and the causal rule to the scores of query row i against
+// keys [j0, j0 + n). A closed key (a mask value of -inf, or above the causal
+// diagonal) gets the score -inf by selection, not addition, so that a NaN in
+// its key cannot reach this row. Returns whether any of these keys is open.
 template <typename T>
-void apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
+bool apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
                  T* s) {
-  const int64_t masked_end = std::min(j0 + n, a.mask_cols);
-  for (const auto& mask : a.masks) {
-    if (!mask.present()) continue;
-    const T* row = mask.at(b, h, i);
-    for (int64_t j = j0; j < masked_end; ++j) s[j - j0] += row[j * mask.stride[3]];
+  const int64_t end = j0 + n;
+  const int64_t masked_end = std::min(end, a.mask_cols);  // keys past it are always open
+  const int64_t causal_end = a.causal ? std::min(masked_end, std::max(j0, i + 1)) : masked_end;
+  for (int64_t j = causal_end; j < masked_end; ++j) s[j - j0] = kNegInf<T>;
+  bool any_open = masked_end < end;
+  const T* rows[kMaxMasks];
+  int64_t steps[kMaxMasks];
+  int count = 0;
+  for (const auto& mask : a.masks)
+    if (mask.present()) rows[count] = mask.at(b, h, i), steps[count++] = mask.stride[3];
+  if (count == 0) return any_open || causal_end > j0;
+  for (int64_t j = j0; j < causal_end; ++j) {
+    // The masks are summed before they are added, as torch merges them.
+    bool open = true;
+    T added = 0;
+    for (int m = 0; m < count; ++m) {
+      const T value = rows[m][j * steps[m]];
+      open = open && value != kNegInf<T>;
+      added += value;
+    }
+    s[j - j0] = open ? s[j - j0] + added : kNegInf<T>;
+    any_open = any_open || open;
   }
-  if (a.causal)
-    for (int64_t j = std::max(j0, i + 1); j < masked_end; ++j) s[j - j0] = kNegInf<T>;
+  return any_open;
 }
 
 template <typename T>
@@ -52,6 +70,7 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   T* acc = tile + rows * kKeyBlock;       // rows x Ev
   T* m = acc + rows * Ev;                 // rows
   T* l = m + rows;                        // rows
+  bool open[kQueryBlock] = {};            // whether the row has any open key
   std::fill(acc, acc + rows * Ev, T(0));
   std::fill(m, m + rows, kNegInf<T>);
   std::fill(l, l + rows, T(0));
@@ -68,7 +87,7 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       // (1) scores
       kt.scores(a.query.at(b, h, i), k_base + j0 * a.key.stride[2], a.key.stride[2], n, E,
                 a.scale, s);
-      apply_masks(a, b, h, i, j0, n, s);
+      open[r] = apply_masks(a, b, h, i, j0, n, s) || open[r];
       // (2) new running max and the rescale of what was accumulated
       T block_max = kNegInf<T>;
       for (int64_t j = 0; j < n; ++j) block_max = max_ignoring_nan(block_max, s[j]);
@@ -84,11 +103,12 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       kt.accumulate_pv(s, v_base + j0 * a.value.stride[2], a.value.stride[2], n, Ev, acc_r);
     }
   }
-  // (4) normalise
+  // (4) normalise. A row with no open key is zero; a row with open keys
+  // whose scores were all -inf (an Inf in the inputs) is 0/0 = NaN.
   for (int64_t r = 0; r < rows; ++r) {
     T* o = a.out.at(b, h, i0 + r);
     const T* acc_r = acc + r * Ev;
-    if (l[r] == T(0)) {
+    if (!open[r]) {
       std::fill(o, o + Ev, T(0));
     } else {
       const T inv = T(1) / l[r];
@@ -109,12 +129,12 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
     T* p = a.weights + ((b * Hq + h) * L + i) * S;
     T* o = a.out.at(b, h, i);
     kt.scores(a.query.at(b, h, i), k_base, a.key.stride[2], S, E, a.scale, p);
-    apply_masks(a, b, h, i, 0, S, p);
+    const bool open = apply_masks(a, b, h, i, 0, S, p);
     T row_max = kNegInf<T>;
     for (int64_t j = 0; j < S; ++j) row_max = max_ignoring_nan(row_max, p[j]);
     const T sum = kt.exp_shift_sum(p, S, exp_shift(row_max));
     std::fill(o, o + Ev, T(0));
-    if (sum == T(0)) {  // fully masked row
+    if (!open) {  // fully masked row
       std::fill(p, p + S, T(0));
       continue;
     }

@@ -36,6 +36,7 @@ template <typename T>
 void accumulate_pv(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim, T* acc) {
   for (int64_t j = 0; j < n_keys; ++j) {
     const T pj = p[j];
+    if (pj == T(0)) continue;  // a masked key: its value must not reach the row (0 * NaN)
     const T* vj = v + j * ldv;
     for (int64_t d = 0; d < dim; ++d) acc[d] += pj * vj[d];
   }
