@@ -1,0 +1,49 @@
+"""Type stubs of the private C++ extension. Use the attnx package instead."""
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+def sdpa(
+    query: npt.NDArray[np.floating],
+    key: npt.NDArray[np.floating],
+    value: npt.NDArray[np.floating],
+    attn_mask: npt.NDArray[np.floating] | None,
+    causal: bool,
+    scale: float,
+    out: npt.NDArray[np.floating],
+    weights: npt.NDArray[np.floating] | None,
+) -> None: ...
+def mha(
+    num_heads: int,
+    query: npt.NDArray[np.floating],
+    key: npt.NDArray[np.floating],
+    value: npt.NDArray[np.floating],
+    w_q: npt.NDArray[np.floating],
+    w_k: npt.NDArray[np.floating],
+    w_v: npt.NDArray[np.floating],
+    b_q: npt.NDArray[np.floating] | None,
+    b_k: npt.NDArray[np.floating] | None,
+    b_v: npt.NDArray[np.floating] | None,
+    bias_k: npt.NDArray[np.floating] | None,
+    bias_v: npt.NDArray[np.floating] | None,
+    add_zero_attn: bool,
+    static_k: npt.NDArray[np.floating] | None,
+    static_v: npt.NDArray[np.floating] | None,
+    attn_mask: npt.NDArray[np.floating] | None,
+    key_padding_mask: npt.NDArray[np.floating] | None,
+    causal: bool,
+    w_out: npt.NDArray[np.floating],
+    b_out: npt.NDArray[np.floating] | None,
+    out: npt.NDArray[np.floating],
+    weights: npt.NDArray[np.floating] | None,
+    average_weights: bool,
+) -> None: ...
+def select_isa(requested: str) -> None: ...
+def active_isa() -> str: ...
+def cpu_isa() -> str: ...
+def get_num_threads() -> int: ...
+def set_num_threads(n: int) -> None: ...
+def have_openmp() -> bool: ...
+def compiler() -> str: ...
