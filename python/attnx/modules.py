@@ -1,0 +1,546 @@
+"""The module API: ``torch.nn.MultiheadAttention`` for NumPy arrays.
+
+:class:`MultiheadAttention` holds the parameters of PyTorch's module under
+PyTorch's names, initialises them with PyTorch's distributions, reads and
+writes PyTorch's state_dict keys, and computes its forward pass with
+:func:`attnx.functional.multi_head_attention_forward`. It never imports torch:
+a torch module or state_dict is read through the tensors' own methods.
+
+It is an inference module: there is no dropout and no training mode, and its
+outputs are those of the torch module in ``eval()`` mode.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import NamedTuple
+
+import numpy as np
+
+from ._arrays import as_bool_flag, shape_str
+from .functional import multi_head_attention_forward
+
+__all__ = ["MultiheadAttention"]
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class LoadStateDictResult(NamedTuple):
+    """What :meth:`MultiheadAttention.load_state_dict` did not load (as torch's ``_IncompatibleKeys``)."""
+
+    missing_keys: list
+    unexpected_keys: list
+
+
+def _positive_int(value, name: str) -> int:
+    """`value` as an int >= 1; bools and non-integral numbers raise TypeError."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a positive integer, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{name} must be a positive integer, got {n}")
+    return n
+
+
+def _module_dtype(dtype) -> np.dtype:
+    """The module's parameter dtype: float32 or float64."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if dt.kind != "f" or np.dtype(dt.type) not in _DTYPES:
+        raise TypeError(f"dtype must be float32 or float64, got {dt}")
+    # NumPy's own dtype instance for the type (native byte order): see _canonical.
+    return np.dtype(dt.type)
+
+
+def _canonical(a):
+    """`a` with NumPy's own float32/float64 dtype instance (a view, no copy), else `a` itself.
+
+    Arrays that come out of pickle (or ``dtype.newbyteorder("=")``) carry a float32/float64
+    dtype that is equal to, but not the same object as, ``np.dtype(np.float32)``. The core's
+    argument check compares dtype objects by identity and rejects those ("expected dtype
+    float32, got float32"), so the module hands it only the canonical instance.
+    """
+    if isinstance(a, np.ndarray) and a.dtype.kind == "f" and a.dtype.isnative:
+        canonical = np.dtype(a.dtype.type)
+        if a.dtype is not canonical:
+            return a.view(canonical)
+    return a
+
+
+def _to_numpy(value, key: str) -> np.ndarray:
+    """A state_dict entry as a NumPy array, without importing torch.
+
+    Accepts NumPy arrays, torch tensors (anything with ``detach().cpu().numpy()``,
+    bfloat16 included) and anything ``np.asarray`` reads (``__array__``, lists).
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    detach = getattr(value, "detach", None)
+    if callable(detach):
+        try:
+            t = detach().cpu()
+            try:
+                return t.numpy()
+            except TypeError:
+                # NumPy has no bfloat16: widen to float32 (exact) on the tensor side.
+                return t.float().numpy()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the key named
+            raise TypeError(f"state_dict[{key!r}]: could not convert {type(value).__name__} to a NumPy array: {exc}") from exc
+    try:
+        return np.asarray(value)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the key named
+        raise TypeError(f"state_dict[{key!r}]: could not convert {type(value).__name__} to a NumPy array: {exc}") from exc
+
+
+class MultiheadAttention:
+    """Multi-head attention with the parameters and semantics of ``torch.nn.MultiheadAttention``.
+
+    Computes ``out_proj(concat_h(softmax(q_h k_h^T / sqrt(head_dim) + mask) v_h))``
+    with ``q, k, v`` the input projections of ``query``, ``key`` and ``value``.
+    It behaves as the torch module in ``eval()`` mode (inference: no dropout).
+
+    Parameters
+    ----------
+    embed_dim : int
+        Width ``E`` of the query and of the output.
+    num_heads : int
+        Number of heads; must divide ``embed_dim``.
+    bias : bool, default True
+        Add ``in_proj_bias`` and ``out_proj_bias`` to the projections.
+    add_bias_kv : bool, default False
+        Append the learned ``bias_k`` / ``bias_v`` as one more key/value position.
+    add_zero_attn : bool, default False
+        Append one all-zero key/value position.
+    kdim, vdim : int, optional
+        Widths of ``key`` and ``value`` (default ``embed_dim``). When either
+        differs from ``embed_dim``, the projections are held separately in
+        ``q_proj_weight``, ``k_proj_weight`` and ``v_proj_weight`` and
+        ``in_proj_weight`` is None (as torch).
+    batch_first : bool, default False
+        Inputs and output are ``(N, L, E)`` instead of ``(L, N, E)``.
+    dtype : {numpy.float32, numpy.float64}, default numpy.float32
+        Dtype of the parameters and of the computation.
+    seed : int, numpy.random.Generator or None, default None
+        Seed of ``np.random.default_rng`` for the initial parameters.
+
+    Attributes
+    ----------
+    in_proj_weight : ndarray, shape (3E, E), or None
+        Packed query/key/value projection (None when kdim/vdim differ from E).
+    q_proj_weight, k_proj_weight, v_proj_weight : ndarray or None
+        Shapes ``(E, E)``, ``(E, kdim)``, ``(E, vdim)`` when kdim/vdim differ
+        from E, else None.
+    in_proj_bias : ndarray, shape (3E,), or None
+    bias_k, bias_v : ndarray, shape (1, 1, E), or None
+    out_proj_weight : ndarray, shape (E, E)
+    out_proj_bias : ndarray, shape (E,), or None
+
+    Notes
+    -----
+    Initialisation follows torch's distributions (not its random stream):
+    ``xavier_uniform_`` for the input projections (the packed ``(3E, E)``
+    weight as one matrix, so ``U(-sqrt(6 / 4E), +sqrt(6 / 4E))``), zeros for
+    ``in_proj_bias`` and ``out_proj_bias``, ``nn.Linear``'s default
+    ``U(-1/sqrt(E), 1/sqrt(E))`` for ``out_proj_weight``, and
+    ``xavier_normal_`` for ``bias_k`` / ``bias_v`` (fans of a ``(1, 1, E)``
+    tensor are both E, so ``N(0, 1/E)``).
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> mha = attnx.MultiheadAttention(16, 4, batch_first=True, seed=0)
+    >>> x = np.ones((2, 5, 16), np.float32)
+    >>> out, weights = mha(x, x, x)
+    >>> out.shape, weights.shape
+    ((2, 5, 16), (2, 5, 5))
+    """
+
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        bias=True,
+        add_bias_kv=False,
+        add_zero_attn=False,
+        kdim=None,
+        vdim=None,
+        batch_first=False,
+        dtype=np.float32,
+        seed=None,
+    ):
+        embed_dim = _positive_int(embed_dim, "embed_dim")
+        num_heads = _positive_int(num_heads, "num_heads")
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim = embed_dim if kdim is None else _positive_int(kdim, "kdim")
+        self.vdim = embed_dim if vdim is None else _positive_int(vdim, "vdim")
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.bias = as_bool_flag(bias, "bias")
+        self.add_bias_kv = as_bool_flag(add_bias_kv, "add_bias_kv")
+        self.add_zero_attn = as_bool_flag(add_zero_attn, "add_zero_attn")
+        self.batch_first = as_bool_flag(batch_first, "batch_first")
+        self.dtype = _module_dtype(dtype)
+        self._reset_parameters(np.random.default_rng(seed))
+
+    # ------------------------------------------------------------------------------------------
+    # Parameters
+    # ------------------------------------------------------------------------------------------
+
+    def _reset_parameters(self, rng: np.random.Generator) -> None:
+        """Draw every parameter from torch's initial distribution (see the class Notes)."""
+        E = self.embed_dim
+
+        def xavier_uniform(shape):
+            fan_out, fan_in = shape
+            bound = math.sqrt(6.0 / (fan_in + fan_out))
+            return rng.uniform(-bound, bound, size=shape).astype(self.dtype)
+
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = xavier_uniform((3 * E, E))
+            self.q_proj_weight = self.k_proj_weight = self.v_proj_weight = None
+        else:
+            self.in_proj_weight = None
+            self.q_proj_weight = xavier_uniform((E, E))
+            self.k_proj_weight = xavier_uniform((E, self.kdim))
+            self.v_proj_weight = xavier_uniform((E, self.vdim))
+        self.in_proj_bias = np.zeros(3 * E, self.dtype) if self.bias else None
+        # nn.Linear's kaiming_uniform_(a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        bound = 1.0 / math.sqrt(E)
+        self.out_proj_weight = rng.uniform(-bound, bound, size=(E, E)).astype(self.dtype)
+        self.out_proj_bias = np.zeros(E, self.dtype) if self.bias else None
+        if self.add_bias_kv:
+            # xavier_normal_ on (1, 1, E): fan_in = fan_out = E, std = sqrt(2 / (2E)).
+            std = math.sqrt(1.0 / E)
+            self.bias_k = rng.normal(0.0, std, size=(1, 1, E)).astype(self.dtype)
+            self.bias_v = rng.normal(0.0, std, size=(1, 1, E)).astype(self.dtype)
+        else:
+            self.bias_k = self.bias_v = None
+
+    # state_dict key -> attribute name; the order is torch's (own parameters, then out_proj).
+    _KEY_TO_ATTR = {
+        "in_proj_weight": "in_proj_weight",
+        "q_proj_weight": "q_proj_weight",
+        "k_proj_weight": "k_proj_weight",
+        "v_proj_weight": "v_proj_weight",
+        "in_proj_bias": "in_proj_bias",
+        "bias_k": "bias_k",
+        "bias_v": "bias_v",
+        "out_proj.weight": "out_proj_weight",
+        "out_proj.bias": "out_proj_bias",
+    }
+
+    def _expected_shapes(self) -> dict:
+        """torch's state_dict keys for this configuration, in torch's order, with their shapes."""
+        E = self.embed_dim
+        shapes = {}
+        if self._qkv_same_embed_dim:
+            shapes["in_proj_weight"] = (3 * E, E)
+        else:
+            shapes["q_proj_weight"] = (E, E)
+            shapes["k_proj_weight"] = (E, self.kdim)
+            shapes["v_proj_weight"] = (E, self.vdim)
+        if self.bias:
+            shapes["in_proj_bias"] = (3 * E,)
+        if self.add_bias_kv:
+            shapes["bias_k"] = (1, 1, E)
+            shapes["bias_v"] = (1, 1, E)
+        shapes["out_proj.weight"] = (E, E)
+        if self.bias:
+            shapes["out_proj.bias"] = (E,)
+        return shapes
+
+    def state_dict(self) -> dict:
+        """The parameters under ``torch.nn.MultiheadAttention``'s state_dict keys.
+
+        Returns
+        -------
+        dict of str to ndarray
+            Exactly the keys torch's module has for the same configuration, in
+            torch's order: ``in_proj_weight`` (or ``q_proj_weight``,
+            ``k_proj_weight``, ``v_proj_weight``), ``in_proj_bias``,
+            ``bias_k``, ``bias_v``, ``out_proj.weight``, ``out_proj.bias``;
+            absent parameters are left out. The arrays are copies: changing
+            them does not change the module.
+
+        Examples
+        --------
+        >>> import attnx
+        >>> list(attnx.MultiheadAttention(8, 2, bias=False).state_dict())
+        ['in_proj_weight', 'out_proj.weight']
+        """
+        state = {}
+        for key in self._expected_shapes():
+            value = getattr(self, self._KEY_TO_ATTR[key])
+            if value is not None:  # torch leaves absent parameters out, too
+                state[key] = np.array(value, copy=True)
+        return state
+
+    def load_state_dict(self, state_dict, strict=True) -> LoadStateDictResult:
+        """Copy parameters from a state_dict with torch's keys (a torch module's included).
+
+        Parameters
+        ----------
+        state_dict : mapping of str to array_like
+            Values may be NumPy arrays, torch tensors (read with
+            ``.detach().cpu().numpy()``; torch is not imported) or anything
+            with ``__array__``. They are converted to the module's dtype and
+            copied; the caller's arrays are never aliased or modified.
+        strict : bool, default True
+            Require exactly the keys :meth:`state_dict` has. With False,
+            missing keys keep their current values and unexpected keys are
+            ignored (and both are reported in the result).
+
+        Returns
+        -------
+        LoadStateDictResult
+            Named tuple ``(missing_keys, unexpected_keys)``, as torch's.
+
+        Raises
+        ------
+        ValueError
+            With ``strict=True``, a missing or unexpected key; in any mode, a
+            value whose shape differs from the parameter's (the message names
+            the key and both shapes). Nothing is loaded when an error is raised.
+        TypeError
+            A value that is not a real floating-point (or integer) array.
+
+        Examples
+        --------
+        >>> import attnx
+        >>> a = attnx.MultiheadAttention(8, 2, seed=0)
+        >>> b = attnx.MultiheadAttention(8, 2, seed=1)
+        >>> b.load_state_dict(a.state_dict())
+        LoadStateDictResult(missing_keys=[], unexpected_keys=[])
+        """
+        strict = as_bool_flag(strict, "strict")
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+            raise TypeError(f"state_dict must be a mapping of str to arrays, got {type(state_dict).__name__}")
+        expected = self._expected_shapes()
+        given = list(state_dict.keys())
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in given if k not in expected]
+        if strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append("missing keys " + ", ".join(repr(k) for k in missing))
+            if unexpected:
+                parts.append("unexpected keys " + ", ".join(repr(k) for k in unexpected))
+            raise ValueError(
+                f"state_dict does not match {self!r}: {'; '.join(parts)} "
+                f"(expected exactly {', '.join(repr(k) for k in expected)})"
+            )
+
+        # Convert and check everything first, so that a bad entry leaves the module unchanged.
+        loaded = {}
+        for key, shape in expected.items():
+            if key not in state_dict:
+                continue
+            raw = _to_numpy(state_dict[key], key)
+            if raw.dtype.kind not in "fiu":
+                raise TypeError(f"state_dict[{key!r}] must be a real floating-point array, got dtype {raw.dtype}")
+            if raw.shape != shape:
+                raise ValueError(
+                    f"state_dict[{key!r}] has shape {shape_str(raw.shape)}, but the parameter has shape "
+                    f"{shape_str(shape)}"
+                )
+            loaded[key] = _canonical(np.array(raw, dtype=self.dtype, order="C", copy=True))
+        for key, value in loaded.items():
+            setattr(self, self._KEY_TO_ATTR[key], value)
+        return LoadStateDictResult(missing, unexpected)
+
+    @classmethod
+    def from_torch(cls, module) -> "MultiheadAttention":
+        """An attnx module with the configuration and weights of a ``torch.nn.MultiheadAttention``.
+
+        Parameters
+        ----------
+        module : torch.nn.MultiheadAttention
+            Read through its attributes and ``state_dict()``; attnx does not
+            import torch. Its ``dropout`` is ignored (attnx computes what the
+            torch module computes in ``eval()`` mode).
+
+        Returns
+        -------
+        MultiheadAttention
+            Same ``embed_dim``, ``num_heads``, ``bias``, ``add_bias_kv``,
+            ``add_zero_attn``, ``kdim``, ``vdim`` and ``batch_first``; dtype
+            float64 if the torch module's parameters are float64, else float32.
+            The weights are copies.
+
+        Examples
+        --------
+        >>> import torch, attnx  # doctest: +SKIP
+        >>> mha = attnx.MultiheadAttention.from_torch(torch.nn.MultiheadAttention(16, 4))  # doctest: +SKIP
+        """
+        names = ("embed_dim", "num_heads", "kdim", "vdim", "batch_first", "add_zero_attn", "in_proj_bias", "bias_k", "out_proj")
+        lacking = [n for n in names if not hasattr(module, n)]
+        if lacking or not callable(getattr(module, "state_dict", None)):
+            raise TypeError(
+                f"from_torch expects a torch.nn.MultiheadAttention, got {type(module).__name__} "
+                f"(lacking {', '.join(lacking) or 'state_dict()'})"
+            )
+        weight = module.out_proj.weight
+        dtype = np.float64 if str(getattr(weight, "dtype", "")) == "torch.float64" else np.float32
+        # The bias flag: torch registers in_proj_bias and out_proj.bias together.
+        bias = module.in_proj_bias is not None or getattr(module.out_proj, "bias", None) is not None
+        new = cls(
+            int(module.embed_dim),
+            int(module.num_heads),
+            bias=bias,
+            add_bias_kv=module.bias_k is not None,
+            add_zero_attn=bool(module.add_zero_attn),
+            kdim=int(module.kdim),
+            vdim=int(module.vdim),
+            batch_first=bool(module.batch_first),
+            dtype=dtype,
+            seed=0,  # every parameter is overwritten just below
+        )
+        new.load_state_dict(module.state_dict())
+        return new
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+    # ------------------------------------------------------------------------------------------
+
+    def _as_input(self, x):
+        """A floating input in the module's dtype; anything else goes on to the functional checks."""
+        a = np.asarray(x)
+        if a.dtype.kind == "f" and a.dtype != self.dtype:
+            a = a.astype(self.dtype)
+        return _canonical(a)
+
+    # ------------------------------------------------------------------------------------------
+    # Pickling
+    # ------------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled arrays and dtypes are equal to, not the same objects as, NumPy's
+        # canonical float dtypes: restore the canonical ones (see _canonical).
+        self.__dict__.update(state)
+        self.dtype = np.dtype(np.dtype(self.dtype).type)
+        for attr in self._KEY_TO_ATTR.values():
+            setattr(self, attr, _canonical(getattr(self, attr, None)))
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
+        """Attend from ``query`` to ``key``/``value``, as ``torch.nn.MultiheadAttention.forward``.
+
+        Parameters
+        ----------
+        query : array_like, shape (L, N, E), or (N, L, E) with ``batch_first``, or (L, E)
+        key : array_like, shape (S, N, kdim), or (N, S, kdim) with ``batch_first``, or (S, kdim)
+        value : array_like, shape (S, N, vdim), or (N, S, vdim) with ``batch_first``, or (S, vdim)
+            Floating inputs are converted to the module's dtype, which is the
+            dtype of the results.
+        key_padding_mask : array_like, shape (N, S) or (S,) unbatched, optional
+            bool: True means the key is ignored; float: added to the scores.
+        need_weights : bool, default True
+            Also return the attention weights.
+        attn_mask : array_like, shape (L, S) or (N * num_heads, L, S), optional
+            bool: True means *not* allowed to attend; float: added to the scores.
+        average_attn_weights : bool, default True
+            Average the returned weights over the heads.
+        is_causal : bool, default False
+            Apply the causal mask (query ``i`` attends keys ``j <= i``). Unlike
+            torch, no ``attn_mask`` is needed; when one is given, it is used as given.
+
+        Returns
+        -------
+        attn_output : ndarray, shape (L, N, E), or (N, L, E) with ``batch_first``, or (L, E)
+        attn_weights : ndarray or None
+            ``(N, L, S')`` averaged over heads, ``(N, num_heads, L, S')`` otherwise
+            (without N for unbatched input); ``S'`` counts the ``bias_k`` and
+            zero-attention positions. None unless ``need_weights``.
+
+        Notes
+        -----
+        A query row whose keys are all masked gives a zero attention row (so
+        the output row equals ``out_proj_bias``), where torch gives NaN.
+        """
+        # Parameters go through _canonical too: they may have been assigned from unpickled arrays.
+        p = {attr: _canonical(getattr(self, attr)) for attr in self._KEY_TO_ATTR.values()}
+        return multi_head_attention_forward(
+            self._as_input(query),
+            self._as_input(key),
+            self._as_input(value),
+            self.embed_dim,
+            self.num_heads,
+            p["in_proj_weight"],
+            p["in_proj_bias"],
+            p["bias_k"],
+            p["bias_v"],
+            self.add_zero_attn,
+            0.0,
+            p["out_proj_weight"],
+            p["out_proj_bias"],
+            training=False,
+            key_padding_mask=_canonical(key_padding_mask),
+            need_weights=need_weights,
+            attn_mask=_canonical(attn_mask),
+            use_separate_proj_weight=not self._qkv_same_embed_dim,
+            q_proj_weight=p["q_proj_weight"],
+            k_proj_weight=p["k_proj_weight"],
+            v_proj_weight=p["v_proj_weight"],
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+            batch_first=self.batch_first,
+        )
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
+        """Same as :meth:`forward`."""
+        return self.forward(
+            query,
+            key,
+            value,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
+
+    def __repr__(self) -> str:
+        args = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
+        if not self.bias:
+            args.append("bias=False")
+        if self.add_bias_kv:
+            args.append("add_bias_kv=True")
+        if self.add_zero_attn:
+            args.append("add_zero_attn=True")
+        if not self._qkv_same_embed_dim:
+            args += [f"kdim={self.kdim}", f"vdim={self.vdim}"]
+        if self.batch_first:
+            args.append("batch_first=True")
+        args.append(f"dtype={self.dtype.name}")
+        return f"{type(self).__name__}({', '.join(args)})"
