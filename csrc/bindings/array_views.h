@@ -25,7 +25,7 @@ std::string shape_string(const py::array& a);
 template <typename T>
 void check_array(const py::array& a, const char* name, int rank, bool contiguous_last,
                  bool writable) {
-  if (!py::isinstance<py::array_t<T>>(a) || !a.dtype().is(py::dtype::of<T>()))
+  if (!py::isinstance<py::array_t<T>>(a) || !a.dtype().equal(py::dtype::of<T>()))
     throw py::type_error(std::string(name) + ": expected dtype " +
                          std::string(py::str(py::dtype::of<T>())) + ", got " +
                          std::string(py::str(a.dtype())));

@@ -138,7 +138,8 @@ void mha_typed(int64_t num_heads, const py::array& query, const py::array& key,
   mha_forward(a);
 }
 
-bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().is(dt); }
+// Equal, not identical: an unpickled array has an equal but distinct dtype object.
+bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(dt); }
 
 }  // namespace
 

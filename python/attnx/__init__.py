@@ -12,7 +12,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from . import reference
 from ._runtime import _select_isa_from_environment, get_num_threads, set_num_threads, show_config
 from .functional import multi_head_attention_forward, scaled_dot_product_attention
-# from .modules import MultiheadAttention
+from .modules import MultiheadAttention
 
 _select_isa_from_environment()
 

@@ -54,23 +54,7 @@ def _module_dtype(dtype) -> np.dtype:
         raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
     if dt.kind != "f" or np.dtype(dt.type) not in _DTYPES:
         raise TypeError(f"dtype must be float32 or float64, got {dt}")
-    # NumPy's own dtype instance for the type (native byte order): see _canonical.
     return np.dtype(dt.type)
-
-
-def _canonical(a):
-    """`a` with NumPy's own float32/float64 dtype instance (a view, no copy), else `a` itself.
-
-    Arrays that come out of pickle (or ``dtype.newbyteorder("=")``) carry a float32/float64
-    dtype that is equal to, but not the same object as, ``np.dtype(np.float32)``. The core's
-    argument check compares dtype objects by identity and rejects those ("expected dtype
-    float32, got float32"), so the module hands it only the canonical instance.
-    """
-    if isinstance(a, np.ndarray) and a.dtype.kind == "f" and a.dtype.isnative:
-        canonical = np.dtype(a.dtype.type)
-        if a.dtype is not canonical:
-            return a.view(canonical)
-    return a
 
 
 def _to_numpy(value, key: str) -> np.ndarray:
@@ -352,7 +336,7 @@ class MultiheadAttention:
                     f"state_dict[{key!r}] has shape {shape_str(raw.shape)}, but the parameter has shape "
                     f"{shape_str(shape)}"
                 )
-            loaded[key] = _canonical(np.array(raw, dtype=self.dtype, order="C", copy=True))
+            loaded[key] = np.array(raw, dtype=self.dtype, order="C", copy=True)
         for key, value in loaded.items():
             setattr(self, self._KEY_TO_ATTR[key], value)
         return LoadStateDictResult(missing, unexpected)
@@ -416,22 +400,7 @@ class MultiheadAttention:
         a = np.asarray(x)
         if a.dtype.kind == "f" and a.dtype != self.dtype:
             a = a.astype(self.dtype)
-        return _canonical(a)
-
-    # ------------------------------------------------------------------------------------------
-    # Pickling
-    # ------------------------------------------------------------------------------------------
-
-    def __getstate__(self) -> dict:
-        return dict(self.__dict__)
-
-    def __setstate__(self, state: dict) -> None:
-        # Unpickled arrays and dtypes are equal to, not the same objects as, NumPy's
-        # canonical float dtypes: restore the canonical ones (see _canonical).
-        self.__dict__.update(state)
-        self.dtype = np.dtype(np.dtype(self.dtype).type)
-        for attr in self._KEY_TO_ATTR.values():
-            setattr(self, attr, _canonical(getattr(self, attr, None)))
+        return a
 
     def forward(
         self,
@@ -478,8 +447,7 @@ class MultiheadAttention:
         A query row whose keys are all masked gives a zero attention row (so
         the output row equals ``out_proj_bias``), where torch gives NaN.
         """
-        # Parameters go through _canonical too: they may have been assigned from unpickled arrays.
-        p = {attr: _canonical(getattr(self, attr)) for attr in self._KEY_TO_ATTR.values()}
+        p = {attr: getattr(self, attr) for attr in self._KEY_TO_ATTR.values()}
         return multi_head_attention_forward(
             self._as_input(query),
             self._as_input(key),
@@ -495,9 +463,9 @@ class MultiheadAttention:
             p["out_proj_weight"],
             p["out_proj_bias"],
             training=False,
-            key_padding_mask=_canonical(key_padding_mask),
+            key_padding_mask=key_padding_mask,
             need_weights=need_weights,
-            attn_mask=_canonical(attn_mask),
+            attn_mask=attn_mask,
             use_separate_proj_weight=not self._qkv_same_embed_dim,
             q_proj_weight=p["q_proj_weight"],
             k_proj_weight=p["k_proj_weight"],
