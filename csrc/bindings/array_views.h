@@ -39,7 +39,9 @@ void check_array(const py::array& a, const char* name, int rank, bool contiguous
   for (int d = 0; d < rank; ++d)
     if (a.strides(d) % static_cast<py::ssize_t>(sizeof(T)) != 0)
       throw py::value_error(std::string(name) + ": strides are not a multiple of the item size");
-  if (contiguous_last && a.shape(rank - 1) > 1 &&
+  // An empty array is never read: its strides do not matter (NumPy gives a
+  // broadcast empty array all-zero strides).
+  if (contiguous_last && a.size() > 0 && a.shape(rank - 1) > 1 &&
       a.strides(rank - 1) != static_cast<py::ssize_t>(sizeof(T)))
     throw py::value_error(std::string(name) + ": the last dimension must be contiguous");
 }
