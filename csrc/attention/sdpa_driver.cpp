@@ -1,15 +1,21 @@
 // Scaled dot-product attention, forward.
 //
-// Without weights (flash attention: no L x S matrix is ever stored):
-//   parallel for each (b, h, block of query rows):
-//     m = -inf, l = 0, acc = 0                            per query row
-//     for each key block the rows may attend:
-//       s = scale * q.k^T + masks; s = -inf where causal forbids     (1)
-//       m' = max(m, max_j s); p = exp(s - m'); alpha = exp(m - m')   (2)
-//       l = alpha * l + sum_j p; acc = alpha * acc + p.V; m = m'      (3)
-//     out = acc / l, or 0 where l == 0 (a fully masked row)          (4)
-// With weights: each row's scores are written to the weights, softmaxed in
-// place (max, exp and sum, normalise), then out = p.V.
+// Tile path (flash attention; no L x S matrix is stored), per task = one
+// (b, h, tile of QT queries), with QT the kernel's lane count:
+//   Qt = scale * Q_tile^T                                   (E x QT, packed once)
+//   m = -inf, l = 0, O = 0                                  per query lane
+//   for each key block Kb, Vb the tile may attend:
+//     St = Kb . Qt              (keys x queries: lanes are queries)      (1)
+//     close masked / causal entries: St = -inf by selection              (2)
+//     online softmax down each column: m, l, alpha; St = exp(St - m)     (3)
+//     O = diag(alpha) O + St^T . Vb                                      (4)
+//   out = O / l, or 0 for a query with no open key                       (5)
+// Computing St rather than S keeps the softmax vertical (no horizontal
+// reductions), and both products read K and V rows in place, unpacked.
+//
+// Row path, for few queries per head and for the weights: each query row
+// against key blocks with the row kernels (dot, axpy); with weights, each
+// row's probabilities are written to the weights, then out = p.V.
 //
 // Each output row is computed by one thread in a fixed order, so results do
 // not depend on the thread count.
@@ -24,8 +30,10 @@
 namespace attnx {
 namespace {
 
-constexpr int64_t kQueryBlock = 32;   // rows per task
-constexpr int64_t kKeyBlock = 128;    // keys per score tile: q rows x keys fit in L1
+constexpr int kMaxTile = 64;  // the widest query tile of any kernel
+
+constexpr int64_t kQueryBlock = 32;   // rows per task on the row path
+constexpr int64_t kKeyBlock = 128;    // keys per score tile: keys x QT scores stay in L1
 
 // Applies the masks and the causal rule to the scores of query row i against
 // keys [j0, j0 + n). A closed key (a mask value of -inf, or above the causal
@@ -143,6 +151,132 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
   }
 }
 
+
+// Step (2) of the tile path on a tile of n keys x QT lanes: lanes r < rows
+// are queries i0 + r. Returns whether any entry was closed.
+template <typename T>
+bool close_tile(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+                int64_t n, int qt, T* st, bool* open) {
+  const int64_t masked_end = std::min(j0 + n, a.mask_cols);
+  if (masked_end < j0 + n) std::fill(open, open + rows, true);  // appended keys are open
+  const T* mask_rows[kMaxMasks][kMaxTile];
+  int64_t steps[kMaxMasks];
+  int count = 0;
+  for (const auto& mask : a.masks) {
+    if (!mask.present()) continue;
+    for (int64_t r = 0; r < rows; ++r) mask_rows[count][r] = mask.at(b, h, i0 + r);
+    steps[count++] = mask.stride[3];
+  }
+  bool any_closed = false;
+  for (int64_t j = j0; j < masked_end; ++j) {
+    T* srow = st + (j - j0) * qt;
+    // Causal: lanes whose query precedes key j are closed.
+    const int64_t first_open = a.causal ? std::clamp<int64_t>(j - i0, 0, rows) : 0;
+    for (int64_t r = 0; r < first_open; ++r) srow[r] = kNegInf<T>;
+    any_closed = any_closed || first_open > 0;
+    if (count == 0) continue;
+    for (int64_t r = first_open; r < rows; ++r) {
+      bool is_open = true;
+      T added = 0;  // the masks are summed before they are added, as torch merges them
+      for (int m = 0; m < count; ++m) {
+        const T value = mask_rows[m][r][j * steps[m]];
+        is_open = is_open && value != kNegInf<T>;
+        added += value;
+      }
+      srow[r] = is_open ? srow[r] + added : kNegInf<T>;
+      open[r] = open[r] || is_open;
+      any_closed = any_closed || !is_open;
+    }
+  }
+  return any_closed;
+}
+
+template <typename T>
+bool rows_finite(const KernelTable<T>& kt, const T* v, int64_t ldv, int64_t n, int64_t dim) {
+  for (int64_t j = 0; j < n; ++j)
+    if (!kt.all_finite(v + j * ldv, dim)) return false;
+  return true;
+}
+
+template <typename T>
+size_t tile_scratch_size(int qt, int64_t E, int64_t Ev) {
+  return size_t(E * qt + kKeyBlock * qt + qt * Ev + 3 * qt + kKeyBlock);
+}
+
+template <typename T>
+void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h, int64_t i0,
+                T* scratch) {
+  const int qt = kt.query_tile;
+  const int64_t L = a.query.shape[2], S = a.key.shape[2];
+  const int64_t E = a.query.shape[3], Ev = a.value.shape[3];
+  const int64_t rows = std::min<int64_t>(qt, L - i0), i_last = i0 + rows - 1;
+  const int64_t kv_head = h / (a.query.shape[1] / a.key.shape[1]);
+  const int64_t ldk = a.key.stride[2], ldv = a.value.stride[2];
+  const T* k_base = a.key.at(b, kv_head);
+  const T* v_base = a.value.at(b, kv_head);
+  T* q_t = scratch;                 // E x qt
+  T* st = q_t + E * qt;             // kKeyBlock x qt
+  T* o = st + kKeyBlock * qt;       // qt x Ev
+  T* m = o + qt * Ev;               // qt
+  T* l = m + qt;                    // qt
+  T* alpha = l + qt;                // qt
+  T* p_row = alpha + qt;            // kKeyBlock
+
+  // Pack the scaled query tile, transposed; lanes past the last query are 0.
+  std::fill(q_t, q_t + E * qt, T(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* q = a.query.at(b, h, i0 + r);
+    for (int64_t e = 0; e < E; ++e) q_t[e * qt + r] = q[e] * a.scale;
+  }
+  std::fill(o, o + qt * Ev, T(0));
+  std::fill(m, m + qt, kNegInf<T>);
+  std::fill(l, l + qt, T(0));
+  const bool has_masks = a.masks[0].present() || a.masks[1].present();
+  // Without masks every query has an open key when there is any (causal
+  // always opens key 0); with masks, openness is found while closing.
+  bool open[kMaxTile];
+  std::fill(open, open + qt, !has_masks && S > 0);
+
+  for (int64_t j0 = 0; j0 < S; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, S - j0);
+    // Causal: a block wholly above the diagonal of every query is skipped.
+    if (a.causal && j0 > i_last && j0 + n <= a.mask_cols) continue;
+    // (1) scores
+    kt.gemm(n, qt, E, k_base + j0 * ldk, ldk, 1, q_t, qt, st, qt, GemmInit::kZero, nullptr);
+    // (2) masks; only blocks the diagonal crosses need the causal rule
+    const bool on_diagonal = a.causal && j0 + n - 1 > i0 && j0 < a.mask_cols;
+    bool any_closed = false;
+    if (has_masks || on_diagonal) any_closed = close_tile(a, b, h, i0, rows, j0, n, qt, st, open);
+    // (3) online softmax
+    kt.softmax_tile(st, n, m, l, alpha);
+    // (4) accumulate. A closed key has probability 0, and 0 * NaN would
+    // carry a NaN in its value into this row: where keys were closed and
+    // the values are not all finite, accumulate row by row skipping zeros.
+    const T* vb = v_base + j0 * ldv;
+    if (!any_closed || rows_finite(kt, vb, ldv, n, Ev)) {
+      kt.gemm(rows, Ev, n, st, 1, qt, vb, ldv, o, Ev, GemmInit::kScaleRows, alpha);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        kt.scale(o + r * Ev, Ev, alpha[r]);
+        for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
+        kt.accumulate_pv(p_row, vb, ldv, n, Ev, o + r * Ev);
+      }
+    }
+  }
+  // (5) normalise. A query with open keys whose scores were all -inf (an Inf
+  // in the inputs) has l = 0 and gives 0/0 = NaN.
+  for (int64_t r = 0; r < rows; ++r) {
+    T* out = a.out.at(b, h, i0 + r);
+    if (!open[r]) {
+      std::fill(out, out + Ev, T(0));
+    } else {
+      const T inv = T(1) / l[r];
+      const T* o_r = o + r * Ev;
+      for (int64_t d = 0; d < Ev; ++d) out[d] = o_r[d] * inv;
+    }
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -151,24 +285,33 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   const int64_t S = a.key.shape[2], E = a.query.shape[3], Ev = a.value.shape[3];
   if (B == 0 || Hq == 0 || L == 0 || Ev == 0) return;
   const KernelTable<T>& kt = active_kernels(T());
-
-  const int64_t q_blocks = (L + kQueryBlock - 1) / kQueryBlock;
-  const int64_t tasks = B * Hq * q_blocks;
   const int nthreads = threads_for(double(B * Hq) * double(L) * double(S) * double(E + Ev));
-  const int64_t scratch_per_thread = kQueryBlock * (kKeyBlock + Ev + 2);
+
+  // The tile path wants most of a tile's lanes busy; fewer queries per head
+  // (decoding) and the weights take the row path.
+  const bool tiled = !a.weights && L * 4 >= kt.query_tile;
+  const int64_t rows_per_task = tiled ? kt.query_tile : kQueryBlock;
+  const int64_t q_blocks = (L + rows_per_task - 1) / rows_per_task;
+  const int64_t tasks = B * Hq * q_blocks;
+  const size_t scratch_per_thread =
+      tiled ? tile_scratch_size<T>(kt.query_tile, E, Ev)
+            : a.weights ? 0 : size_t(kQueryBlock * (kKeyBlock + Ev + 2));
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
-  std::vector<T> scratch(a.weights ? 0 : size_t(nthreads) * size_t(scratch_per_thread));
+  std::vector<T> scratch(size_t(nthreads) * scratch_per_thread);
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t qb = t % q_blocks, bh = t / q_blocks;
     const int64_t b = bh / Hq, h = bh % Hq;
-    const int64_t i0 = qb * kQueryBlock, i1 = std::min(L, i0 + kQueryBlock);
-    if (a.weights)
+    const int64_t i0 = qb * rows_per_task, i1 = std::min(L, i0 + rows_per_task);
+    T* my_scratch = scratch.data() + current_thread() * scratch_per_thread;
+    if (tiled)
+      flash_tile(a, kt, b, h, i0, my_scratch);
+    else if (a.weights)
       rows_with_weights(a, kt, b, h, i0, i1);
     else
-      flash_rows(a, kt, b, h, i0, i1, scratch.data() + current_thread() * scratch_per_thread);
+      flash_rows(a, kt, b, h, i0, i1, my_scratch);
   }
 }
 

@@ -141,6 +141,41 @@ void mha_typed(int64_t num_heads, const py::array& query, const py::array& key,
 // Equal, not identical: an unpickled array has an equal but distinct dtype object.
 bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(dt); }
 
+// The common call -- three 4-D arrays of one dtype with the same (B, H), rows
+// contiguous, no mask -- without the Python layer's general canonicalisation
+// (which costs more than a small call's arithmetic). Returns None for any
+// other input, which then takes the general path and its checks.
+template <typename T>
+py::object sdpa_plain_typed(const py::array& q, const py::array& k, const py::array& v,
+                            bool causal) {
+  const py::ssize_t item = sizeof(T);
+  for (const py::array* a : {&q, &k, &v}) {
+    if (a->ndim() != 4 || !is_dtype(*a, py::dtype::of<T>())) return py::none();
+    if (a->size() == 0 || a->strides(3) != item || a->strides(0) % item || a->strides(1) % item ||
+        a->strides(2) % item || reinterpret_cast<std::uintptr_t>(a->data()) % alignof(T))
+      return py::none();
+  }
+  const py::ssize_t B = q.shape(0), H = q.shape(1), L = q.shape(2), E = q.shape(3);
+  if (k.shape(0) != B || k.shape(1) != H || k.shape(3) != E || v.shape(0) != B ||
+      v.shape(1) != H || v.shape(2) != k.shape(2))
+    return py::none();
+  py::array_t<T> out({B, H, L, v.shape(3)});
+  SdpaArgs<T> a;
+  a.query = const_view<T, 4>(q, "query");
+  a.key = const_view<T, 4>(k, "key");
+  a.value = const_view<T, 4>(v, "value");
+  a.mask_cols = k.shape(2);
+  a.causal = causal;
+  a.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(E)));
+  py::array out_array = out;
+  a.out = mutable_view<T, 4>(out_array, "out");
+  {
+    py::gil_scoped_release release;
+    sdpa_forward(a);
+  }
+  return std::move(out);
+}
+
 }  // namespace
 
 void register_attention(py::module_& m) {
@@ -158,6 +193,22 @@ void register_attention(py::module_& m) {
       py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
       py::arg("causal"), py::arg("scale"), py::arg("out"), py::arg("weights"),
       "Scaled dot-product attention on canonical (B, H, L, E) views.");
+  m.def(
+      "sdpa_plain",
+      [](const py::handle& query, const py::handle& key, const py::handle& value,
+         bool causal) -> py::object {
+        if (!py::isinstance<py::array>(query) || !py::isinstance<py::array>(key) ||
+            !py::isinstance<py::array>(value))
+          return py::none();
+        const auto q = py::reinterpret_borrow<py::array>(query);
+        const auto k = py::reinterpret_borrow<py::array>(key);
+        const auto v = py::reinterpret_borrow<py::array>(value);
+        if (is_dtype(q, py::dtype::of<float>())) return sdpa_plain_typed<float>(q, k, v, causal);
+        if (is_dtype(q, py::dtype::of<double>())) return sdpa_plain_typed<double>(q, k, v, causal);
+        return py::none();
+      },
+      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("causal"),
+      "sdpa of three plain 4-D arrays with the default scale and no mask, or None.");
   m.def(
       "mha",
       [](int64_t num_heads, const py::array& query, const py::array& key, const py::array& value,

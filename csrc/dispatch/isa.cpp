@@ -12,10 +12,13 @@ namespace {
 
 std::atomic<Isa> g_active_isa{Isa::kScalar};
 
-// The highest instruction set with kernels compiled into this build. Only
-// the portable kernel exists so far; a request for a higher one the CPU
-// supports runs the best kernel below it.
+// The highest instruction set with kernels compiled into this build: the
+// x86 kernels are built wherever the compiler targets x86-64.
+#if defined(ATTNX_HAVE_X86_KERNELS)
+constexpr Isa kBestCompiledIsa = Isa::kAvx512;
+#else
 constexpr Isa kBestCompiledIsa = Isa::kScalar;
+#endif
 
 Isa parse_isa(const std::string& name) {
   if (name == "scalar") return Isa::kScalar;
@@ -61,7 +64,24 @@ void select_isa(const std::string& requested) {
 
 Isa active_isa() { return g_active_isa.load(); }
 
-const KernelTable<float>& active_kernels(float) { return scalar_kernels_f32(); }
-const KernelTable<double>& active_kernels(double) { return scalar_kernels_f64(); }
+const KernelTable<float>& active_kernels(float) {
+  switch (active_isa()) {
+#if defined(ATTNX_HAVE_X86_KERNELS)
+    case Isa::kAvx512: return avx512_kernels_f32();
+    case Isa::kAvx2: return avx2_kernels_f32();
+#endif
+    default: return scalar_kernels_f32();
+  }
+}
+
+const KernelTable<double>& active_kernels(double) {
+  switch (active_isa()) {
+#if defined(ATTNX_HAVE_X86_KERNELS)
+    case Isa::kAvx512: return avx512_kernels_f64();
+    case Isa::kAvx2: return avx2_kernels_f64();
+#endif
+    default: return scalar_kernels_f64();
+  }
+}
 
 }  // namespace attnx

@@ -54,9 +54,10 @@ std::string compiler_name() {
 }
 
 int threads_for(double work) {
-  // Below this many multiply-adds a parallel region costs more than it saves
-  // (waking a team is a few microseconds).
-  constexpr double kSerialWork = 1 << 15;
+  // Below about a million multiply-adds (~10 us on one core) a parallel
+  // region costs more than it saves: waking a team takes microseconds, and
+  // far more when another process holds the other cores.
+  constexpr double kSerialWork = 1 << 20;
   return work < kSerialWork ? 1 : get_num_threads();
 }
 

@@ -1,40 +1,66 @@
 // The micro-kernels the attention drivers are built from. Every instruction
-// set fills one table of the same function-pointer type; the dispatcher picks
-// one table per dtype at import (see dispatch/isa.cpp).
+// set fills one table of the same function-pointer type (kernels/<isa>/), and
+// the dispatcher picks one table per dtype at import (dispatch/isa.cpp).
 #pragma once
 
 #include <cstdint>
 
+#include "attnx/runtime.h"
+
 namespace attnx {
+
+// How gemm initialises C before adding A.B.
+enum class GemmInit {
+  kZero,        // C = A.B
+  kAccumulate,  // C += A.B
+  kScaleRows,   // C = diag(init) C + A.B     (init: M values)
+  kBiasColumns  // C = 1 init^T + A.B         (init: N values)
+};
 
 template <typename T>
 struct KernelTable {
-  const char* name;  // e.g. "f32_attention__scalar"
+  const char* name;  // recipe, e.g. "f32_attention__avx512f_mr12_nr32"
+  Isa isa;
+  int query_tile;   // queries per flash tile: the lanes of softmax_tile
+  int panel_width;  // columns per gemm panel (pack B in panels this wide)
 
+  // C[m][n] = init + sum_k A(m, k) * B[k][n] for m < M, n < N, where
+  // A(m, k) = a[m * a_row + k * a_col] (any layout: it is read by broadcasts)
+  // and B is row-major with row stride ldb. C is row-major with row stride ldc.
+  void (*gemm)(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row, int64_t a_col,
+               const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init, const T* init_values);
+
+  // One online-softmax step over a score tile s of `rows` keys x query_tile
+  // queries (row-major, row stride query_tile), per query lane q:
+  //   m' = max(m, max_j s[j][q]); s[j][q] = exp(s[j][q] - m');
+  //   alpha[q] = exp(m - m'); l = alpha l + sum_j s[j][q]; m = m'
+  // with the rules of attention/softmax_rules.h for -inf and NaN.
+  void (*softmax_tile)(T* s, int64_t rows, T* m, T* l, T* alpha);
+
+  // Row kernels, for few queries and for the weights path.
   // dst[j] = scale * <q, k_j> for j < n_keys; key rows are ldk apart.
   void (*scores)(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
                  T* dst);
-
-  // acc[:dim] += sum_j p[j] * v_j for j < n_keys; value rows are ldv apart.
+  // acc[:dim] += sum_j p[j] * v_j over j < n_keys with p[j] != 0 (a zero
+  // probability is a masked key, whose value must not reach the row).
   void (*accumulate_pv)(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
                         T* acc);
-
   // x[j] = exp(x[j] - shift) in place; returns the sum of the new values.
   T (*exp_shift_sum)(T* x, int64_t n, T shift);
-
   // y[j] *= alpha.
   void (*scale)(T* y, int64_t n, T alpha);
-
-  // Up to kLinearRows rows at once: y_r[:n] = bias + x_r[:k] . wt, where wt is
-  // the (k, n) row-major transpose of the weight. bias may be null.
-  void (*linear_rows)(const T* const* x, int64_t rows, const T* wt, int64_t k, int64_t n,
-                      const T* bias, T* const* y);
+  // Whether x[0..n) holds no NaN or infinity.
+  bool (*all_finite)(const T* x, int64_t n);
 };
-
-inline constexpr int kLinearRows = 4;
 
 const KernelTable<float>& scalar_kernels_f32();
 const KernelTable<double>& scalar_kernels_f64();
+#if defined(ATTNX_HAVE_X86_KERNELS)
+const KernelTable<float>& avx2_kernels_f32();
+const KernelTable<double>& avx2_kernels_f64();
+const KernelTable<float>& avx512_kernels_f32();
+const KernelTable<double>& avx512_kernels_f64();
+#endif
 
 // The tables chosen by the dispatcher.
 const KernelTable<float>& active_kernels(float);

@@ -15,6 +15,9 @@ def sdpa(
     out: npt.NDArray[np.floating],
     weights: npt.NDArray[np.floating] | None,
 ) -> None: ...
+def sdpa_plain(
+    query: object, key: object, value: object, causal: bool
+) -> npt.NDArray[np.floating] | None: ...
 def mha(
     num_heads: int,
     query: npt.NDArray[np.floating],

@@ -1,0 +1,20 @@
+// AVX2 + FMA kernels. This file alone is compiled with -mavx2 -mfma; it runs
+// only where the dispatcher found both in CPUID.
+#include "kernels/simd/attention_kernels.h"
+#include "kernels/simd/vec_avx2.h"
+
+namespace attnx {
+
+const KernelTable<float>& avx2_kernels_f32() {
+  static const KernelTable<float> table =
+      simd::Kernels<simd::Avx2F32>::table("f32_attention__avx2_fma_mr6_nr16", Isa::kAvx2);
+  return table;
+}
+
+const KernelTable<double>& avx2_kernels_f64() {
+  static const KernelTable<double> table =
+      simd::Kernels<simd::Avx2F64>::table("f64_attention__avx2_fma_mr6_nr8", Isa::kAvx2);
+  return table;
+}
+
+}  // namespace attnx

@@ -1,0 +1,250 @@
+// The kernels of one instruction set, written once over a vector type `Vec`
+// (simd/vec_*.h) and instantiated by each kernels/<isa>/kernels__<isa>.cpp,
+// which is compiled with that instruction set's flags. Include it nowhere
+// else: the code must only ever be compiled for the ISA that runs it.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "kernels/kernel_table.h"
+
+namespace attnx::simd {
+// Internal linkage: this code is compiled once per instruction set, and no
+// copy of it may be merged with another built for a different one.
+namespace {
+
+// Register tile of gemm: MR rows x 2 vectors of C held in registers.
+constexpr int kPanelVectors = 2;
+
+// Local min/max: a std:: template instantiated here could be merged by the
+// linker with a copy compiled for another instruction set.
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int imin(int a, int b) { return a < b ? a : b; }
+inline int imax(int a, int b) { return a > b ? a : b; }
+
+template <class Vec>
+struct Kernels {
+  using T = typename Vec::T;
+  using V = typename Vec::V;
+  static constexpr int W = Vec::W;
+  static constexpr int NR = kPanelVectors * W;  // panel width
+  static constexpr int QT = NR;                 // queries per flash tile
+  static constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+
+  // ---- gemm -------------------------------------------------------------
+  // One MR x NR register tile: C tile = init + A(MR rows) . B(K x NR).
+  // The accumulators are plain locals, never address-taken, so that they
+  // stay in registers through the k loop.
+  template <int MR, bool kFullWidth>
+  static void gemm_tile(int64_t K, const T* a, int64_t a_row, int64_t a_col, const T* b,
+                        int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
+                        const T* init_values) {
+    // Lanes of the two vectors of a (possibly partial) row of the tile.
+    const int n0 = kFullWidth ? W : imin(n, W);
+    const int n1 = kFullWidth ? W : imax(n - W, 0);
+    V c0[MR], c1[MR];
+    // Step 1: initialise the accumulators.
+    if (init == GemmInit::kBiasColumns) {
+      const V lo = kFullWidth ? Vec::load(init_values) : Vec::load_partial(init_values, n0);
+      const V hi = kFullWidth ? Vec::load(init_values + W)
+                              : (n1 ? Vec::load_partial(init_values + W, n1) : Vec::zero());
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) c0[m] = lo, c1[m] = hi;
+    } else if (init == GemmInit::kZero) {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) c0[m] = Vec::zero(), c1[m] = Vec::zero();
+    } else {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const T* cm = c + m * ldc;
+        c0[m] = kFullWidth ? Vec::load(cm) : Vec::load_partial(cm, n0);
+        c1[m] = kFullWidth ? Vec::load(cm + W)
+                           : (n1 ? Vec::load_partial(cm + W, n1) : Vec::zero());
+        if (init == GemmInit::kScaleRows) {
+          const V s = Vec::set1(init_values[m]);
+          c0[m] = Vec::mul(c0[m], s), c1[m] = Vec::mul(c1[m], s);
+        }
+      }
+    }
+    // Step 2: rank-1 updates, one per k: broadcast A(m, k), multiply-add B row k.
+    for (int64_t k = 0; k < K; ++k) {
+      const T* bk = b + k * ldb;
+      const V b0 = kFullWidth ? Vec::load(bk) : Vec::load_partial(bk, n0);
+      const V b1 = kFullWidth ? Vec::load(bk + W)
+                              : (n1 ? Vec::load_partial(bk + W, n1) : Vec::zero());
+      const T* ak = a + k * a_col;
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const V am = Vec::set1(ak[m * a_row]);
+        c0[m] = Vec::fmadd(am, b0, c0[m]);
+        c1[m] = Vec::fmadd(am, b1, c1[m]);
+      }
+    }
+    // Step 3: store.
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      T* cm = c + m * ldc;
+      if (kFullWidth) {
+        Vec::store(cm, c0[m]), Vec::store(cm + W, c1[m]);
+      } else {
+        Vec::store_partial(cm, c0[m], n0);
+        if (n1) Vec::store_partial(cm + W, c1[m], n1);
+      }
+    }
+  }
+
+  // The tile for the last `rows` < MR rows: recurse down to that count.
+  template <int MR, bool kFullWidth>
+  static void gemm_rows(int rows, int64_t K, const T* a, int64_t a_row, int64_t a_col,
+                        const T* b, int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
+                        const T* init_values) {
+    if constexpr (MR > 1) {
+      if (rows < MR)
+        return gemm_rows<MR - 1, kFullWidth>(rows, K, a, a_row, a_col, b, ldb, c, ldc, n, init,
+                                             init_values);
+    }
+    gemm_tile<MR, kFullWidth>(K, a, a_row, a_col, b, ldb, c, ldc, n, init, init_values);
+  }
+
+  static void gemm(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row, int64_t a_col,
+                   const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init,
+                   const T* init_values) {
+    constexpr int MR = Vec::kGemmRows;
+    for (int64_t n0 = 0; n0 < N; n0 += NR) {
+      const int n = static_cast<int>(min64(NR, N - n0));
+      const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = static_cast<int>(min64(MR, M - m0));
+        const T* init_m = init == GemmInit::kScaleRows ? init_values + m0 : init_n;
+        if (n == NR)
+          gemm_rows<MR, true>(rows, K, a + m0 * a_row, a_row, a_col, b + n0, ldb,
+                              c + m0 * ldc + n0, ldc, n, init, init_m);
+        else
+          gemm_rows<MR, false>(rows, K, a + m0 * a_row, a_row, a_col, b + n0, ldb,
+                               c + m0 * ldc + n0, ldc, n, init, init_m);
+      }
+    }
+  }
+
+  // ---- online softmax over a (keys x QT queries) tile --------------------
+  static void softmax_tile(T* s, int64_t rows, T* m, T* l, T* alpha) {
+    for (int v = 0; v < kPanelVectors; ++v) {
+      const int lane0 = v * W;
+      // Step 1: the new running max of each query (NaN scores ignored).
+      V block_max = Vec::set1(kNegInf);
+      for (int64_t j = 0; j < rows; ++j)
+        block_max = Vec::max_ignoring_nan(block_max, Vec::load(s + j * QT + lane0));
+      const V m_old = Vec::load(m + lane0);
+      const V m_new = Vec::max_ignoring_nan(m_old, block_max);
+      // Step 2: exponentiate against it, summing; 0 replaces a -inf max.
+      const V shift = Vec::exp_shift(m_new);
+      V sum = Vec::zero();
+      for (int64_t j = 0; j < rows; ++j) {
+        T* sj = s + j * QT + lane0;
+        const V p = Vec::exp(Vec::sub(Vec::load(sj), shift));
+        Vec::store(sj, p);
+        sum = Vec::add(sum, p);
+      }
+      // Step 3: rescale factor of what was accumulated, and the new sums.
+      const V a = Vec::exp(Vec::sub(m_old, shift));
+      Vec::store(alpha + lane0, a);
+      Vec::store(l + lane0, Vec::fmadd(a, Vec::load(l + lane0), sum));
+      Vec::store(m + lane0, m_new);
+    }
+  }
+
+  // ---- row kernels ---------------------------------------------------------
+  static T dot(const T* x, const T* y, int64_t n) {
+    V acc0 = Vec::zero(), acc1 = Vec::zero();
+    int64_t i = 0;
+    for (; i + 2 * W <= n; i += 2 * W) {
+      acc0 = Vec::fmadd(Vec::load(x + i), Vec::load(y + i), acc0);
+      acc1 = Vec::fmadd(Vec::load(x + i + W), Vec::load(y + i + W), acc1);
+    }
+    for (; i < n; i += W) {
+      const int len = static_cast<int>(min64(W, n - i));
+      acc0 = Vec::fmadd(Vec::load_partial(x + i, len), Vec::load_partial(y + i, len), acc0);
+    }
+    return Vec::reduce_add(Vec::add(acc0, acc1));
+  }
+
+  static void scores(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
+                     T* dst) {
+    for (int64_t j = 0; j < n_keys; ++j) dst[j] = scale * dot(q, k + j * ldk, dim);
+  }
+
+  static void accumulate_pv(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
+                            T* acc) {
+    // Up to 4 vectors of the accumulator stay in registers across the keys.
+    constexpr int kChunk = 4 * W;
+    for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
+      const int len = static_cast<int>(min64(kChunk, dim - d0));
+      const int full = len / W, tail = len % W;
+      V a[4];
+      for (int u = 0; u < 4; ++u)
+        a[u] = u < full ? Vec::load(acc + d0 + u * W)
+                        : (u == full && tail ? Vec::load_partial(acc + d0 + u * W, tail)
+                                             : Vec::zero());
+      for (int64_t j = 0; j < n_keys; ++j) {
+        if (p[j] == T(0)) continue;
+        const V pj = Vec::set1(p[j]);
+        const T* vj = v + j * ldv + d0;
+        for (int u = 0; u < full; ++u) a[u] = Vec::fmadd(pj, Vec::load(vj + u * W), a[u]);
+        if (tail) a[full] = Vec::fmadd(pj, Vec::load_partial(vj + full * W, tail), a[full]);
+      }
+      for (int u = 0; u < full; ++u) Vec::store(acc + d0 + u * W, a[u]);
+      if (tail) Vec::store_partial(acc + d0 + full * W, a[full], tail);
+    }
+  }
+
+  static T exp_shift_sum(T* x, int64_t n, T shift) {
+    const V s = Vec::set1(shift);
+    V sum = Vec::zero();
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      const V p = Vec::exp(Vec::sub(Vec::load(x + j), s));
+      Vec::store(x + j, p);
+      sum = Vec::add(sum, p);
+    }
+    if (j < n) {
+      // The tail is padded with -inf, whose exp adds exactly 0 to the sum.
+      T tail[W];
+      const int len = static_cast<int>(n - j);
+      for (int t = 0; t < W; ++t) tail[t] = t < len ? x[j + t] : kNegInf;
+      const V p = Vec::exp(Vec::sub(Vec::load(tail), s));
+      Vec::store_partial(x + j, p, len);
+      sum = Vec::add(sum, p);
+    }
+    return Vec::reduce_add(sum);
+  }
+
+  static void scale(T* y, int64_t n, T alpha) {
+    const V a = Vec::set1(alpha);
+    int64_t j = 0;
+    for (; j + W <= n; j += W) Vec::store(y + j, Vec::mul(Vec::load(y + j), a));
+    if (j < n) {
+      const int len = static_cast<int>(n - j);
+      Vec::store_partial(y + j, Vec::mul(Vec::load_partial(y + j, len), a), len);
+    }
+  }
+
+  static bool all_finite(const T* x, int64_t n) {
+    // x * 0 is 0 for a finite x and NaN for NaN and +-inf.
+    V probe = Vec::zero();
+    const V zero = Vec::zero();
+    int64_t j = 0;
+    for (; j + W <= n; j += W) probe = Vec::fmadd(Vec::load(x + j), zero, probe);
+    if (j < n) probe = Vec::fmadd(Vec::load_partial(x + j, static_cast<int>(n - j)), zero, probe);
+    return Vec::reduce_add(probe) == T(0);
+  }
+
+  static KernelTable<T> table(const char* name, Isa isa) {
+    return KernelTable<T>{name,   isa,          QT,     NR,
+                          gemm,   softmax_tile, scores, accumulate_pv,
+                          exp_shift_sum, scale,        all_finite};
+  }
+};
+
+}  // namespace
+}  // namespace attnx::simd

@@ -1,0 +1,147 @@
+// AVX2 + FMA vectors of float (8 lanes) and double (4 lanes), for kernels
+// compiled with -mavx2 -mfma.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "kernels/simd/exp_constants.h"
+
+namespace attnx::simd {
+// Internal linkage: this code is compiled once per instruction set, and no
+// copy of it may be merged with another built for a different one.
+namespace {
+
+namespace avx2_detail {
+// Lane masks for partial loads/stores: the first n lanes all-ones.
+inline __m256i first_lanes32(int n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+}
+inline __m256i first_lanes64(int n) {
+  const __m256i lane = _mm256_setr_epi64x(0, 1, 2, 3);
+  return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), lane);
+}
+}  // namespace avx2_detail
+
+struct Avx2F32 {
+  using T = float;
+  using V = __m256;
+  static constexpr int W = 8;
+  static constexpr int kGemmRows = 6;  // 6 x 2 accumulators of 16 registers
+
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(T x) { return _mm256_set1_ps(x); }
+  static V load(const T* p) { return _mm256_loadu_ps(p); }
+  static void store(T* p, V v) { _mm256_storeu_ps(p, v); }
+  static V load_partial(const T* p, int n) {
+    return _mm256_maskload_ps(p, avx2_detail::first_lanes32(n));
+  }
+  static void store_partial(T* p, V v, int n) {
+    _mm256_maskstore_ps(p, avx2_detail::first_lanes32(n), v);
+  }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V max_ignoring_nan(V running, V x) { return _mm256_max_ps(x, running); }
+  static T reduce_add(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static T reduce_max(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static V exp_shift(V m) {
+    const V neg_inf = _mm256_cmp_ps(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(m, zero(), neg_inf);
+  }
+  static V exp(V x) {
+    using C = ExpConstants<T>;
+    // Clamped so that n fits [-160, 130]; 2^n is built as 2^(n/2) * 2^(n - n/2)
+    // from exponent bits, so both factors stay normal numbers and the product
+    // underflows to an exact 0 (exp(-inf)) or overflows to +inf like exp.
+    x = _mm256_max_ps(set1(-110.0f), x);
+    x = _mm256_min_ps(set1(90.0f), x);
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(C::kLog2e)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_ps(n, set1(C::kLn2Hi), x);
+    r = _mm256_fnmadd_ps(n, set1(C::kLn2Lo), r);
+    V p = set1(C::kTaylor[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, r, set1(C::kTaylor[k]));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1);
+    const __m256i n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const V scale1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2);
+  }
+};
+
+struct Avx2F64 {
+  using T = double;
+  using V = __m256d;
+  static constexpr int W = 4;
+  static constexpr int kGemmRows = 6;
+
+  static V zero() { return _mm256_setzero_pd(); }
+  static V set1(T x) { return _mm256_set1_pd(x); }
+  static V load(const T* p) { return _mm256_loadu_pd(p); }
+  static void store(T* p, V v) { _mm256_storeu_pd(p, v); }
+  static V load_partial(const T* p, int n) {
+    return _mm256_maskload_pd(p, avx2_detail::first_lanes64(n));
+  }
+  static void store_partial(T* p, V v, int n) {
+    _mm256_maskstore_pd(p, avx2_detail::first_lanes64(n), v);
+  }
+  static V add(V a, V b) { return _mm256_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  static V max_ignoring_nan(V running, V x) { return _mm256_max_pd(x, running); }
+  static T reduce_add(V v) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+  }
+  static T reduce_max(V v) {
+    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    s = _mm_max_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+  }
+  static V exp_shift(V m) {
+    const V neg_inf = _mm256_cmp_pd(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm256_blendv_pd(m, zero(), neg_inf);
+  }
+  static V exp(V x) {
+    using C = ExpConstants<T>;
+    x = _mm256_max_pd(set1(-760.0), x);
+    x = _mm256_min_pd(set1(720.0), x);
+    const V n = _mm256_round_pd(_mm256_mul_pd(x, set1(C::kLog2e)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_pd(n, set1(C::kLn2Hi), x);
+    r = _mm256_fnmadd_pd(n, set1(C::kLn2Lo), r);
+    V p = set1(C::kTaylor[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_pd(p, r, set1(C::kTaylor[k]));
+    const __m128i ni = _mm256_cvtpd_epi32(n);
+    const __m128i n1 = _mm_srai_epi32(ni, 1);
+    const __m128i n2 = _mm_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi64x(1023);
+    const V scale1 = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), bias), 52));
+    const V scale2 = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), bias), 52));
+    return _mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2);
+  }
+};
+
+}  // namespace
+}  // namespace attnx::simd

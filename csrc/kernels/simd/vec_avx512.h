@@ -1,0 +1,101 @@
+// AVX-512 vectors of float (16 lanes) and double (8 lanes), for kernels
+// compiled with -mavx512f -mavx512dq -mavx512vl -mavx512bw -mfma.
+#pragma once
+
+#include <immintrin.h>
+
+#include <limits>
+
+#include "kernels/simd/exp_constants.h"
+
+namespace attnx::simd {
+// Internal linkage: this code is compiled once per instruction set, and no
+// copy of it may be merged with another built for a different one.
+namespace {
+
+struct Avx512F32 {
+  using T = float;
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int kGemmRows = 12;  // 12 x 2 accumulators of 32 registers
+
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(T x) { return _mm512_set1_ps(x); }
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static void store(T* p, V v) { _mm512_storeu_ps(p, v); }
+  static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static V load_partial(const T* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
+  static void store_partial(T* p, V v, int n) { _mm512_mask_storeu_ps(p, first(n), v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // max(running, x) that keeps `running` where x is NaN (vmaxps returns its
+  // second operand when either is NaN).
+  static V max_ignoring_nan(V running, V x) { return _mm512_max_ps(x, running); }
+  static T reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  static T reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  // 0 where m is -inf, else m (see attention/softmax_rules.h).
+  static V exp_shift(V m) {
+    const __mmask16 neg_inf =
+        _mm512_cmp_ps_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(neg_inf, m, zero());
+  }
+  static V exp(V x) {
+    using C = ExpConstants<T>;
+    // Clamp so that 2^n stays finite for scalef; exp(-inf) then scales to an
+    // exact 0 and x > ln(FLT_MAX) to +inf. NaN passes through vmaxps/vminps
+    // as their second operand.
+    x = _mm512_max_ps(set1(-150.0f), x);
+    x = _mm512_min_ps(set1(90.0f), x);
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(C::kLog2e)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_ps(n, set1(C::kLn2Hi), x);
+    r = _mm512_fnmadd_ps(n, set1(C::kLn2Lo), r);
+    V p = set1(C::kTaylor[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kTaylor[k]));
+    return _mm512_scalef_ps(p, n);
+  }
+};
+
+struct Avx512F64 {
+  using T = double;
+  using V = __m512d;
+  static constexpr int W = 8;
+  static constexpr int kGemmRows = 12;
+
+  static V zero() { return _mm512_setzero_pd(); }
+  static V set1(T x) { return _mm512_set1_pd(x); }
+  static V load(const T* p) { return _mm512_loadu_pd(p); }
+  static void store(T* p, V v) { _mm512_storeu_pd(p, v); }
+  static __mmask8 first(int n) { return static_cast<__mmask8>((1u << n) - 1u); }
+  static V load_partial(const T* p, int n) { return _mm512_maskz_loadu_pd(first(n), p); }
+  static void store_partial(T* p, V v, int n) { _mm512_mask_storeu_pd(p, first(n), v); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  static V max_ignoring_nan(V running, V x) { return _mm512_max_pd(x, running); }
+  static T reduce_add(V v) { return _mm512_reduce_add_pd(v); }
+  static T reduce_max(V v) { return _mm512_reduce_max_pd(v); }
+  static V exp_shift(V m) {
+    const __mmask8 neg_inf =
+        _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_pd(neg_inf, m, zero());
+  }
+  static V exp(V x) {
+    using C = ExpConstants<T>;
+    x = _mm512_max_pd(set1(-1100.0), x);
+    x = _mm512_min_pd(set1(720.0), x);
+    const V n = _mm512_roundscale_pd(_mm512_mul_pd(x, set1(C::kLog2e)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_pd(n, set1(C::kLn2Hi), x);
+    r = _mm512_fnmadd_pd(n, set1(C::kLn2Lo), r);
+    V p = set1(C::kTaylor[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kTaylor[k]));
+    return _mm512_scalef_pd(p, n);
+  }
+};
+
+}  // namespace
+}  // namespace attnx::simd
