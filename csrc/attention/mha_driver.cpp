@@ -9,7 +9,7 @@
 //   weights: per head (N, H, L, S'), or their mean over heads
 #include <algorithm>
 #include <cmath>
-#include <vector>
+#include <memory>
 
 #include "attention/projection.h"
 #include "attnx/attention.h"
@@ -17,20 +17,34 @@
 namespace attnx {
 namespace {
 
+// An uninitialised array of T (std::vector would zero-fill it).
+template <typename T>
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(size_t size) : data_(new T[size]) {}
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+
+ private:
+  std::unique_ptr<T[]> data_;
+};
+
 // Keys (or values) as sdpa reads them: a (N, H, S', hd) view, backed either
 // by the caller's static array or by `storage`.
 template <typename T>
 StridedView<const T, 4> build_keys(const StridedView<const T, 3>& input,
                                    const RowMajorView<const T>& w, const T* b, const T* bias_row,
                                    bool zero_row, const StridedView<const T, 4>& static_keys,
-                                   int64_t H, std::vector<T>& storage) {
+                                   int64_t H, Buffer<T>& storage) {
   const int64_t N = input.shape[0], E = w.rows, hd = E / H;
   StridedView<const T, 4> view;
   if (static_keys.present()) {
     if (!zero_row) return static_keys;  // used in place
     // Copy the static keys with one zero key after them.
     const int64_t S = static_keys.shape[2], Sp = S + 1;
-    storage.assign(size_t(N * H * Sp * hd), T(0));
+    storage = Buffer<T>(size_t(N * H * Sp * hd));
+    std::fill_n(storage.data(), N * H * Sp * hd, T(0));
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t s = 0; s < S; ++s)
@@ -44,7 +58,7 @@ StridedView<const T, 4> build_keys(const StridedView<const T, 3>& input,
   // Projected keys, laid out (N, S', E) so that head h is columns [h*hd, (h+1)*hd).
   const int64_t S = input.shape[1];
   const int64_t Sp = S + (bias_row ? 1 : 0) + (zero_row ? 1 : 0);
-  storage.resize(size_t(N * Sp * E));
+  storage = Buffer<T>(size_t(N * Sp * E));
   StridedView<T, 3> projected;
   projected.data = storage.data();
   projected.shape[0] = N, projected.shape[1] = S, projected.shape[2] = E;
@@ -87,15 +101,16 @@ void mha_forward(const MhaArgs<T>& a) {
   const int64_t N = a.query.shape[0], L = a.query.shape[1], E = a.w_q.rows;
   const int64_t H = a.num_heads, hd = E / H;
 
-  // Input projections.
-  std::vector<T> q_storage(size_t(N * L * E));
+  // Input projections. (Buffers the projections overwrite wholly are left
+  // uninitialised: zero-filling them would cost a pass over memory.)
+  Buffer<T> q_storage(size_t(N * L * E));
   StridedView<T, 3> q_proj;
   q_proj.data = q_storage.data();
   q_proj.shape[0] = N, q_proj.shape[1] = L, q_proj.shape[2] = E;
   q_proj.stride[0] = L * E, q_proj.stride[1] = E, q_proj.stride[2] = 1;
   linear_forward(a.query, a.w_q, a.b_q, q_proj);
 
-  std::vector<T> k_storage, v_storage;
+  Buffer<T> k_storage, v_storage;
   const StridedView<const T, 4> keys =
       build_keys(a.key, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage);
   const StridedView<const T, 4> values =
@@ -104,8 +119,8 @@ void mha_forward(const MhaArgs<T>& a) {
   const int64_t Sp = keys.shape[2];
 
   // Attention per head, written with the heads concatenated.
-  std::vector<T> attn_storage(size_t(N * L * E));
-  std::vector<T> per_head_weights;
+  Buffer<T> attn_storage(size_t(N * L * E));
+  Buffer<T> per_head_weights;
   SdpaArgs<T> sdpa;
   sdpa.query = heads_view<const T>(q_storage.data(), N, L, E, H);
   sdpa.key = keys;
@@ -117,7 +132,7 @@ void mha_forward(const MhaArgs<T>& a) {
   sdpa.out = heads_view<T>(attn_storage.data(), N, L, E, H);
   if (a.weights) {
     if (a.average_weights) {
-      per_head_weights.resize(size_t(N * H * L * Sp));
+      per_head_weights = Buffer<T>(size_t(N * H * L * Sp));
       sdpa.weights = per_head_weights.data();
     } else {
       sdpa.weights = a.weights;

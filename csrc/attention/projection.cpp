@@ -1,6 +1,7 @@
 // The projections of multi-head attention: y = x . w^T + bias.
 //
 //   pack w^T in panels of NR columns     (in x NR each, zero-padded)
+//   (for at most NR rows, y^T = w . x^T instead, packing the small x^T)
 //   parallel for each (batch, block of rows, panel):
 //     y[rows, panel] = bias[panel] + x[rows, :] . panel     (the kernel's gemm)
 //
@@ -8,7 +9,7 @@
 // streams it while broadcasting x. Every output value is accumulated over
 // `in` in the same order whatever the thread count.
 #include <algorithm>
-#include <vector>
+#include <memory>
 
 #include "attention/projection.h"
 #include "dispatch/parallel.h"
@@ -28,13 +29,42 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   if (N == 0 || L == 0 || out == 0) return;
   const KernelTable<T>& kt = active_kernels(T());
   const int64_t nr = kt.panel_width;
+  if (N * L <= nr) {
+    // Few rows: y^T = w . x^T, packing the small x^T (in x nr) rather than w,
+    // then transposing the small result back with the bias added.
+    std::unique_ptr<T[]> xt(new T[size_t(in * nr + out * nr)]);
+    T* yt = xt.get() + in * nr;
+    std::fill_n(xt.get(), in * nr, T(0));
+    for (int64_t r = 0; r < N * L; ++r) {
+      const T* xr = x.at(r / L, r % L);
+      for (int64_t i = 0; i < in; ++i) xt[i * nr + r] = xr[i];
+    }
+    kt.gemm(out, nr, in, w.data, w.row_stride, 1, xt.get(), nr, yt, nr, GemmInit::kZero, nullptr);
+    for (int64_t r = 0; r < N * L; ++r) {
+      T* yr = y.at(r / L, r % L);
+      for (int64_t o = 0; o < out; ++o) yr[o] = yt[o * nr + r] + (bias ? bias[o] : T(0));
+    }
+    return;
+  }
   const int64_t panels = (out + nr - 1) / nr;
 
-  std::vector<T> packed(size_t(panels * in * nr), T(0));
-  for (int64_t o = 0; o < out; ++o) {
-    T* panel = packed.data() + (o / nr) * in * nr + o % nr;
-    const T* wo = w.row(o);
-    for (int64_t i = 0; i < in; ++i) panel[i * nr] = wo[i];
+  // Pack: panel p holds w^T[:, p*nr : (p+1)*nr] row-major (in x nr). Copied
+  // in 16-row slices of w^T, so that each slice of the panel (16 x nr) stays
+  // in L1 while the weight rows are read contiguously.
+  std::unique_ptr<T[]> packed(new T[size_t(panels * in * nr)]);
+  const int pack_threads = threads_for(double(in) * double(out) * 8);
+#pragma omp parallel for schedule(static) num_threads(pack_threads) if (pack_threads > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    T* panel = packed.get() + p * in * nr;
+    const int64_t cols = std::min(nr, out - p * nr);
+    for (int64_t i0 = 0; i0 < in; i0 += 16) {
+      const int64_t i1 = std::min(in, i0 + 16);
+      for (int64_t c = 0; c < cols; ++c) {
+        const T* wo = w.row(p * nr + c);
+        for (int64_t i = i0; i < i1; ++i) panel[i * nr + c] = wo[i];
+      }
+      for (int64_t i = i0; i < i1; ++i) std::fill(panel + i * nr + cols, panel + (i + 1) * nr, T(0));
+    }
   }
 
   const int64_t row_blocks = (L + kRowBlock - 1) / kRowBlock;
@@ -46,7 +76,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     const int64_t n = nb / row_blocks, l0 = (nb % row_blocks) * kRowBlock;
     const int64_t rows = std::min(kRowBlock, L - l0);
     const int64_t cols = std::min(nr, out - p * nr);
-    kt.gemm(rows, cols, in, x.at(n, l0), x.stride[1], 1, packed.data() + p * in * nr, nr,
+    kt.gemm(rows, cols, in, x.at(n, l0), x.stride[1], 1, packed.get() + p * in * nr, nr,
             y.at(n, l0) + p * nr, y.stride[1], bias ? GemmInit::kBiasColumns : GemmInit::kZero,
             bias ? bias + p * nr : nullptr);
   }

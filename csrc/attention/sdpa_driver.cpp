@@ -34,6 +34,7 @@ constexpr int kMaxTile = 64;  // the widest query tile of any kernel
 
 constexpr int64_t kQueryBlock = 32;   // rows per task on the row path
 constexpr int64_t kKeyBlock = 128;    // keys per score tile: keys x QT scores stay in L1
+constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multiple of kKeyBlock)
 
 // Applies the masks and the causal rule to the scores of query row i against
 // keys [j0, j0 + n). A closed key (a mask value of -inf, or above the causal
@@ -68,10 +69,14 @@ bool apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t 
   return any_open;
 }
 
+// Row path over keys [j_begin, j_end). With `partial` null it writes the
+// output rows; otherwise each row's state (m, l, open, acc[Ev]) goes to
+// partial + r * partial_stride, to be merged with the other key chunks.
 template <typename T>
 void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h, int64_t i0,
-                int64_t i1, T* scratch) {
-  const int64_t S = a.key.shape[2], E = a.query.shape[3], Ev = a.value.shape[3];
+                int64_t i1, int64_t j_begin, int64_t j_end, T* scratch, T* partial,
+                int64_t partial_stride) {
+  const int64_t E = a.query.shape[3], Ev = a.value.shape[3];
   const int64_t kv_head = h / (a.query.shape[1] / a.key.shape[1]);
   const int64_t rows = i1 - i0;
   T* tile = scratch;                      // rows x kKeyBlock scores
@@ -85,8 +90,8 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
 
   const T* k_base = a.key.at(b, kv_head);
   const T* v_base = a.value.at(b, kv_head);
-  for (int64_t j0 = 0; j0 < S; j0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, S - j0);
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, j_end - j0);
     // Causal: a block wholly above the diagonal of every row is skipped.
     if (a.causal && j0 > i1 - 1 && j0 + n <= a.mask_cols) continue;
     for (int64_t r = 0; r < rows; ++r) {
@@ -111,6 +116,14 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       kt.accumulate_pv(s, v_base + j0 * a.value.stride[2], a.value.stride[2], n, Ev, acc_r);
     }
   }
+  if (partial) {
+    for (int64_t r = 0; r < rows; ++r) {
+      T* state = partial + r * partial_stride;
+      state[0] = m[r], state[1] = l[r], state[2] = open[r] ? T(1) : T(0);
+      std::copy_n(acc + r * Ev, Ev, state + 3);
+    }
+    return;
+  }
   // (4) normalise. A row with no open key is zero; a row with open keys
   // whose scores were all -inf (an Inf in the inputs) is 0/0 = NaN.
   for (int64_t r = 0; r < rows; ++r) {
@@ -123,6 +136,30 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       for (int64_t d = 0; d < Ev; ++d) o[d] = acc_r[d] * inv;
     }
   }
+}
+
+// Merges the per-chunk states of one query row, in chunk order:
+// M = max_c m_c; l = sum_c l_c e^(m_c - M); acc = sum_c acc_c e^(m_c - M).
+template <typename T>
+void merge_chunks(const T* states, int64_t chunks, int64_t stride, int64_t Ev, T* out) {
+  T row_max = kNegInf<T>;
+  bool open = false;
+  for (int64_t c = 0; c < chunks; ++c) {
+    row_max = max_ignoring_nan(row_max, states[c * stride]);
+    open = open || states[c * stride + 2] != T(0);
+  }
+  std::fill(out, out + Ev, T(0));
+  if (!open) return;
+  const T shift = exp_shift(row_max);
+  T l = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const T* state = states + c * stride;
+    const T weight = std::exp(state[0] - shift);
+    l += state[1] * weight;
+    for (int64_t d = 0; d < Ev; ++d) out[d] += state[3 + d] * weight;
+  }
+  const T inv = T(1) / l;
+  for (int64_t d = 0; d < Ev; ++d) out[d] *= inv;
 }
 
 template <typename T>
@@ -292,26 +329,49 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   const bool tiled = !a.weights && L * 4 >= kt.query_tile;
   const int64_t rows_per_task = tiled ? kt.query_tile : kQueryBlock;
   const int64_t q_blocks = (L + rows_per_task - 1) / rows_per_task;
-  const int64_t tasks = B * Hq * q_blocks;
+  // The row path splits long key sequences into chunks merged afterwards, so
+  // that one (b, h) of a decoding step can use every core. The split depends
+  // on the shape only, never on the thread count.
+  const int64_t chunks = tiled || a.weights ? 1 : std::max<int64_t>(1, (S + kKeyChunk - 1) / kKeyChunk);
+  const int64_t tasks = B * Hq * q_blocks * chunks;
   const size_t scratch_per_thread =
       tiled ? tile_scratch_size<T>(kt.query_tile, E, Ev)
             : a.weights ? 0 : size_t(kQueryBlock * (kKeyBlock + Ev + 2));
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
   std::vector<T> scratch(size_t(nthreads) * scratch_per_thread);
+  const int64_t state_size = Ev + 3;
+  std::vector<T> states(chunks > 1 ? size_t(B * Hq * L * chunks * state_size) : 0);
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t qb = t % q_blocks, bh = t / q_blocks;
-    const int64_t b = bh / Hq, h = bh % Hq;
-    const int64_t i0 = qb * rows_per_task, i1 = std::min(L, i0 + rows_per_task);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
     T* my_scratch = scratch.data() + current_thread() * scratch_per_thread;
-    if (tiled)
-      flash_tile(a, kt, b, h, i0, my_scratch);
-    else if (a.weights)
-      rows_with_weights(a, kt, b, h, i0, i1);
-    else
-      flash_rows(a, kt, b, h, i0, i1, my_scratch);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t c = t % chunks, qb = (t / chunks) % q_blocks, bh = t / (chunks * q_blocks);
+      const int64_t b = bh / Hq, h = bh % Hq;
+      const int64_t i0 = qb * rows_per_task, i1 = std::min(L, i0 + rows_per_task);
+      if (tiled) {
+        flash_tile(a, kt, b, h, i0, my_scratch);
+      } else if (a.weights) {
+        rows_with_weights(a, kt, b, h, i0, i1);
+      } else if (chunks == 1) {
+        flash_rows(a, kt, b, h, i0, i1, 0, S, my_scratch, static_cast<T*>(nullptr), 0);
+      } else {
+        const int64_t j_begin = c * kKeyChunk, j_end = std::min(S, j_begin + kKeyChunk);
+        T* first_state = states.data() + ((bh * L + i0) * chunks + c) * state_size;
+        flash_rows(a, kt, b, h, i0, i1, j_begin, j_end, my_scratch, first_state,
+                   chunks * state_size);
+      }
+    }
+    if (chunks > 1) {
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < B * Hq * L; ++row) {
+        const int64_t bh = row / L, i = row % L;
+        merge_chunks(states.data() + row * chunks * state_size, chunks, state_size, Ev,
+                     a.out.at(bh / Hq, bh % Hq, i));
+      }
+    }
   }
 }
 

@@ -49,8 +49,11 @@ def kernel_layout(a: np.ndarray, contiguous_last: bool = True) -> np.ndarray:
     and weights) a unit-stride last dimension; broadcast (stride 0) and
     negative strides elsewhere are fine.
     """
+    flags = a.flags
+    if flags.c_contiguous and flags.aligned:
+        return a
     item = a.itemsize
-    ok = a.flags.aligned and all(s % item == 0 for s in a.strides)
+    ok = flags.aligned and all(s % item == 0 for s in a.strides)
     if ok and contiguous_last and a.ndim and a.shape[-1] > 1:
         ok = a.strides[-1] == item
     return a if ok else np.ascontiguousarray(a)
