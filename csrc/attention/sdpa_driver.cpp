@@ -33,7 +33,7 @@ namespace {
 constexpr int kMaxTile = 64;  // the widest query tile of any kernel
 
 constexpr int64_t kQueryBlock = 32;   // rows per task on the row path
-constexpr int64_t kKeyBlock = 128;    // keys per score tile: keys x QT scores stay in L1
+constexpr int64_t kKeyBlock = 128;    // keys per block on the row path
 constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multiple of kKeyBlock)
 
 // Applies the masks and the causal rule to the scores of query row i against
@@ -235,14 +235,25 @@ bool rows_finite(const KernelTable<T>& kt, const T* v, int64_t ldv, int64_t n, i
   return true;
 }
 
+// Keys per block of the tile path. One block's keys and values (E + Ev per
+// key) and its score tile (qt per key) should share half of a 48 KiB L1
+// with room for the packed queries and the accumulator: so
+// keys = 24 KiB / ((E + Ev + qt) * sizeof(T)), a multiple of 16 in [32, 256].
+// (E = Ev = 64, qt = 32, float: 38 -> 32; E = Ev = 16: 96.)
 template <typename T>
-size_t tile_scratch_size(int qt, int64_t E, int64_t Ev) {
-  return size_t(E * qt + kKeyBlock * qt + qt * Ev + 3 * qt + kKeyBlock);
+int64_t tile_key_block(int qt, int64_t E, int64_t Ev) {
+  const int64_t keys = (24 * 1024) / ((E + Ev + qt) * int64_t(sizeof(T)));
+  return std::clamp<int64_t>(keys / 16 * 16, 32, 256);
+}
+
+template <typename T>
+size_t tile_scratch_size(int qt, int64_t E, int64_t Ev, int64_t key_block) {
+  return size_t(E * qt + key_block * qt + qt * Ev + 3 * qt + key_block);
 }
 
 template <typename T>
 void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h, int64_t i0,
-                T* scratch) {
+                int64_t key_block, T* scratch) {
   const int qt = kt.query_tile;
   const int64_t L = a.query.shape[2], S = a.key.shape[2];
   const int64_t E = a.query.shape[3], Ev = a.value.shape[3];
@@ -252,12 +263,12 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   const T* k_base = a.key.at(b, kv_head);
   const T* v_base = a.value.at(b, kv_head);
   T* q_t = scratch;                 // E x qt
-  T* st = q_t + E * qt;             // kKeyBlock x qt
-  T* o = st + kKeyBlock * qt;       // qt x Ev
+  T* st = q_t + E * qt;             // key_block x qt
+  T* o = st + key_block * qt;       // qt x Ev
   T* m = o + qt * Ev;               // qt
   T* l = m + qt;                    // qt
   T* alpha = l + qt;                // qt
-  T* p_row = alpha + qt;            // kKeyBlock
+  T* p_row = alpha + qt;            // key_block
 
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
   std::fill(q_t, q_t + E * qt, T(0));
@@ -274,10 +285,14 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   bool open[kMaxTile];
   std::fill(open, open + qt, !has_masks && S > 0);
 
-  for (int64_t j0 = 0; j0 < S; j0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, S - j0);
-    // Causal: a block wholly above the diagonal of every query is skipped.
-    if (a.causal && j0 > i_last && j0 + n <= a.mask_cols) continue;
+  for (int64_t j0 = 0; j0 < S; j0 += key_block) {
+    int64_t n = std::min(key_block, S - j0);
+    if (a.causal && j0 + n <= a.mask_cols) {
+      // Causal: keys past the tile's last query are closed for all of it, so
+      // a block above the diagonal is skipped and the diagonal block cut.
+      if (j0 > i_last) continue;
+      n = std::min(n, i_last + 1 - j0);
+    }
     // (1) scores
     kt.gemm(n, qt, E, k_base + j0 * ldk, ldk, 1, q_t, qt, st, qt, GemmInit::kZero, nullptr);
     // (2) masks; only blocks the diagonal crosses need the causal rule
@@ -334,8 +349,9 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   // on the shape only, never on the thread count.
   const int64_t chunks = tiled || a.weights ? 1 : std::max<int64_t>(1, (S + kKeyChunk - 1) / kKeyChunk);
   const int64_t tasks = B * Hq * q_blocks * chunks;
+  const int64_t key_block = tile_key_block<T>(kt.query_tile, E, Ev);
   const size_t scratch_per_thread =
-      tiled ? tile_scratch_size<T>(kt.query_tile, E, Ev)
+      tiled ? tile_scratch_size<T>(kt.query_tile, E, Ev, key_block)
             : a.weights ? 0 : size_t(kQueryBlock * (kKeyBlock + Ev + 2));
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
@@ -352,7 +368,7 @@ void sdpa_forward(const SdpaArgs<T>& a) {
       const int64_t b = bh / Hq, h = bh % Hq;
       const int64_t i0 = qb * rows_per_task, i1 = std::min(L, i0 + rows_per_task);
       if (tiled) {
-        flash_tile(a, kt, b, h, i0, my_scratch);
+        flash_tile(a, kt, b, h, i0, key_block, my_scratch);
       } else if (a.weights) {
         rows_with_weights(a, kt, b, h, i0, i1);
       } else if (chunks == 1) {
