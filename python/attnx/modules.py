@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import _core
+
 from ._arrays import as_bool_flag, shape_str
 from .functional import multi_head_attention_forward
 
@@ -447,6 +449,10 @@ class MultiheadAttention:
         A query row whose keys are all masked gives a zero attention row (so
         the output row equals ``out_proj_bias``), where torch gives NaN.
         """
+        if key_padding_mask is None and attn_mask is None:
+            result = self._forward_plain(query, key, value, need_weights, average_attn_weights, is_causal)
+            if result is not None:
+                return result
         p = {attr: getattr(self, attr) for attr in self._KEY_TO_ATTR.values()}
         return multi_head_attention_forward(
             self._as_input(query),
@@ -474,6 +480,64 @@ class MultiheadAttention:
             is_causal=is_causal,
             batch_first=self.batch_first,
         )
+
+    def _forward_plain(self, query, key, value, need_weights, average_attn_weights, is_causal):
+        """The common call, without the general argument handling; None when it does not apply.
+
+        Applies to batched arrays of the module's dtype with contiguous rows, no masks
+        and bool flags. Everything else -- including every input that is wrong -- takes
+        the general path, which converts what it can and explains what it cannot.
+        """
+        dtype, E = self.dtype, self.embed_dim
+        for x in (query, key, value):
+            if type(x) is not np.ndarray or x.ndim != 3 or x.dtype != dtype or x.strides[2] != dtype.itemsize:
+                return None
+        for flag in (need_weights, average_attn_weights, is_causal):
+            if flag is not True and flag is not False:
+                return None
+        if self.batch_first:
+            q, k, v = query, key, value
+        else:
+            q, k, v = (x.transpose(1, 0, 2) for x in (query, key, value))
+        N, L = q.shape[:2]
+        if q.shape[2] != E or k.shape[2] != self.kdim or v.shape[2] != self.vdim:
+            return None
+        if k.shape[0] != N or v.shape[:2] != k.shape[:2]:
+            return None
+        params = [
+            self.q_proj_weight if self.in_proj_weight is None else self.in_proj_weight,
+            self.k_proj_weight, self.v_proj_weight, self.in_proj_bias,
+            self.bias_k, self.bias_v, self.out_proj_weight, self.out_proj_bias,
+        ]
+        for x in params:
+            if x is not None and (type(x) is not np.ndarray or x.dtype != dtype or not x.flags.c_contiguous):
+                return None
+        if self.in_proj_weight is not None:
+            if self.in_proj_weight.shape != (3 * E, E):
+                return None
+            w_q, w_k, w_v = self.in_proj_weight[:E], self.in_proj_weight[E : 2 * E], self.in_proj_weight[2 * E :]
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b = self.in_proj_bias
+        b_q, b_k, b_v = (None, None, None) if b is None else (b[:E], b[E : 2 * E], b[2 * E :])
+        bias_k = None if self.bias_k is None else self.bias_k.reshape(E)
+        bias_v = None if self.bias_v is None else self.bias_v.reshape(E)
+        S_total = k.shape[1] + (bias_k is not None) + bool(self.add_zero_attn)
+        weights = None
+        if need_weights:
+            shape = (N, L, S_total) if average_attn_weights else (N, self.num_heads, L, S_total)
+            weights = np.empty(shape, dtype)
+        if self.batch_first:
+            out = out_view = np.empty((N, L, E), dtype)
+        else:
+            out = np.empty((L, N, E), dtype)
+            out_view = out.transpose(1, 0, 2)
+        _core.mha(
+            self.num_heads, q, k, v, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v,
+            bool(self.add_zero_attn), None, None, None, None, is_causal,
+            self.out_proj_weight, self.out_proj_bias, out_view, weights, average_attn_weights,
+        )
+        return out, weights
 
     def __call__(
         self,
