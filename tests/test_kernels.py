@@ -1,0 +1,126 @@
+"""Every SIMD kernel the CPU supports, against the float64 reference.
+
+The kernel is chosen once, at import, from ATTNX_ISA, so each kernel runs in a
+subprocess. Sizes straddle what the drivers switch on: the vector width and
+query tile (8, 16, 32 lanes), the key block (32 to 256 keys), the row path
+(fewer than a quarter tile of queries), the decode chunks (512 keys) and the
+register tile of gemm (4, 6, 12 rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import attnx
+
+ISA_ORDER = ["scalar", "avx2", "avx512"]
+
+
+def supported_isas():
+    best = attnx.show_config()["cpu_isa"]
+    return ISA_ORDER[: ISA_ORDER.index(best) + 1]
+
+
+SWEEP = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import attnx
+    from attnx import reference
+
+    rng = np.random.default_rng(int(sys.argv[1]))
+    failures = []
+
+    def check(name, got, want, dtype):
+        tol = 1e-5 if dtype == np.float32 else 1e-12
+        same_nan = np.array_equal(np.isnan(got), np.isnan(want))
+        close = np.allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=tol, atol=tol / 10)
+        if not (same_nan and close):
+            failures.append(name)
+
+    sizes_l = [1, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 97]
+    sizes_s = [0, 1, 15, 16, 31, 32, 33, 96, 127, 128, 129, 511, 512, 513, 1100]
+    for trial in range(int(sys.argv[2])):
+        dtype = (np.float32, np.float64)[trial % 2]
+        hk = int(rng.integers(1, 3)); group = int(rng.integers(1, 4)); hq = hk * group
+        b = int(rng.integers(1, 3))
+        L = int(rng.choice(sizes_l)); S = int(rng.choice(sizes_s))
+        E = int(rng.choice([1, 7, 8, 16, 17, 64, 80, 128])); Ev = int(rng.choice([1, 8, 15, 64, 128]))
+        q = rng.standard_normal((b, hq, L, E)); k = rng.standard_normal((b, hk, S, E))
+        v = rng.standard_normal((b, hk, S, Ev))
+        kw = {"enable_gqa": True} if group > 1 else {}
+        mode = trial % 5
+        if mode == 1:
+            kw["is_causal"] = True
+        elif mode == 2:
+            kw["attn_mask"] = rng.random((L, S)) > 0.4
+        elif mode == 3:
+            kw["attn_mask"] = np.where(rng.random((b, 1, 1, S)) > 0.3, 0.0, -np.inf)
+        elif mode == 4:
+            kw["attn_mask"] = rng.standard_normal((1, hq, L, S))
+        if trial % 6 == 0 and S:
+            v[0, 0, int(rng.integers(S))] = np.nan  # must reach only the rows that attend it
+        with np.errstate(all="ignore"):
+            got = attnx.scaled_dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), **kw)
+            want = reference.scaled_dot_product_attention(q, k, v, **kw)
+        check(f"sdpa b{b} hq{hq} hk{hk} L{L} S{S} E{E} Ev{Ev} {sorted(kw)} {dtype.__name__}", got, want, dtype)
+
+    # Multi-head attention with and without weights (the row path with weights).
+    for trial in range(int(sys.argv[2]) // 4):
+        dtype = (np.float32, np.float64)[trial % 2]
+        H = int(rng.choice([1, 2, 4])); E = H * int(rng.choice([1, 8, 16, 24]))
+        N = int(rng.integers(1, 3)); L = int(rng.choice([1, 5, 16, 40])); S = int(rng.choice([1, 9, 33, 140]))
+        x = rng.standard_normal((L, N, E)); kv = rng.standard_normal((S, N, E))
+        w = rng.standard_normal((3 * E, E)) / np.sqrt(E); bias = rng.standard_normal(3 * E)
+        wo = rng.standard_normal((E, E)) / np.sqrt(E); bo = rng.standard_normal(E)
+        kpm = rng.random((N, S)) > 0.8
+        for need in (False, True):
+            args = (E, H, w, bias, None, None, False, 0.0, wo, bo)
+            got = attnx.multi_head_attention_forward(
+                x.astype(dtype), kv.astype(dtype), kv.astype(dtype), *args, key_padding_mask=kpm,
+                need_weights=need, average_attn_weights=bool(trial % 2))
+            want = reference.multi_head_attention_forward(
+                x, kv, kv, *args, key_padding_mask=kpm, need_weights=need,
+                average_attn_weights=bool(trial % 2))
+            check(f"mha N{N} L{L} S{S} E{E} H{H} weights={need} {dtype.__name__}", got[0], want[0], dtype)
+            if need:
+                check(f"mha weights N{N} L{L} S{S} E{E} H{H} {dtype.__name__}", got[1], want[1], dtype)
+
+    # Results do not depend on the thread count, on every path.
+    shapes = [((1, 2, 100, 64), (1, 2, 300, 64)), ((1, 1, 1, 128), (1, 1, 3000, 128)), ((2, 3, 5, 16), (2, 3, 700, 16))]
+    for qs, ks in shapes:
+        q = rng.standard_normal(qs, dtype=np.float32); k = rng.standard_normal(ks, dtype=np.float32)
+        results = []
+        for threads in (1, 2, 3):
+            attnx.set_num_threads(threads)
+            results.append(attnx.scaled_dot_product_attention(q, k, k, is_causal=qs[2] > 1))
+        if not all(np.array_equal(results[0], r) for r in results[1:]):
+            failures.append(f"thread-dependent result for q {qs}, k {ks}")
+    print(json.dumps({"isa": attnx.show_config()["isa"], "failures": failures}))
+    """
+)
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+def test_kernel_agrees_with_reference(isa):
+    env = dict(os.environ, ATTNX_ISA=isa)
+    proc = subprocess.run(
+        [sys.executable, "-c", SWEEP, "7", "120"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["isa"] == isa
+    assert result["failures"] == []
+
+
+def test_unknown_isa_is_a_clear_error():
+    env = dict(os.environ, ATTNX_ISA="sse9")
+    proc = subprocess.run([sys.executable, "-c", "import attnx"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "ValueError" in proc.stderr and "sse9" in proc.stderr
