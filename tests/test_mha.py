@@ -1,0 +1,778 @@
+"""attnx.multi_head_attention_forward against the NumPy reference and against torch.
+
+The reference runs in float64 on float64 copies of every float input; attnx's float32 results
+(output and weights) must agree to rtol 1e-5 / atol 1e-6, its float64 results to 1e-12.
+Every argument is exercised alone and in combination: masks (none, bool, float; 2-D and 3-D),
+key_padding_mask (none, bool, float), bias_k/bias_v, add_zero_attn, static_k/static_v,
+kdim/vdim, batch_first, unbatched inputs, need_weights, average_attn_weights and is_causal.
+"""
+
+from __future__ import annotations
+
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+
+import attnx
+from conftest import (
+    DTYPE_IDS,
+    DTYPES,
+    assert_close,
+    assert_identical,
+    assert_no_alias,
+    assert_unchanged,
+    copies,
+    mha_args,
+    mha_mask,
+    num_threads,
+    quiet_torch,
+    randn,
+    ref_mha,
+)
+
+mha = attnx.multi_head_attention_forward
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+def check(args, dtype=None):
+    """attnx vs the float64 reference, output and weights; returns attnx's (out, weights)."""
+    dtype = np.asarray(args["query"]).dtype if dtype is None else dtype
+    out, w = mha(**args)
+    ref_out, ref_w = ref_mha(**args)
+    assert_close(out, ref_out, dtype, err_msg="attn_output")
+    if args.get("need_weights", True):
+        assert w is not None
+        assert_close(w, ref_w, dtype, err_msg="attn_weights")
+    else:
+        assert w is None
+    return out, w
+
+
+def src_len(args):
+    """The number of source keys the masks describe."""
+    if args.get("static_k") is not None:
+        return args["static_k"].shape[1]
+    key = args["key"]
+    if key.ndim == 2:
+        return key.shape[0]
+    return key.shape[1] if args.get("batch_first") else key.shape[0]
+
+
+def batch_size(args):
+    q = args["query"]
+    if q.ndim == 2:
+        return None
+    return q.shape[0] if args.get("batch_first") else q.shape[1]
+
+
+def add_masks(rng, args, attn_kind=None, attn_rank=2, kpm_kind=None, dtype=np.float64, keep_one=True):
+    """Random masks of the right shapes (the last key stays visible with keep_one)."""
+    q = args["query"]
+    L = q.shape[1] if (q.ndim == 3 and args.get("batch_first")) else q.shape[0]
+    S = src_len(args)
+    N = batch_size(args)
+    H = args["num_heads"]
+    if attn_kind is not None:
+        shape = (L, S) if attn_rank == 2 else ((1 if N is None else N) * H, L, S)
+        args["attn_mask"] = mha_mask(rng, attn_kind, shape, dtype, keep_one=keep_one)
+    if kpm_kind is not None:
+        shape = (S,) if N is None else (N, S)
+        args["key_padding_mask"] = mha_mask(rng, kpm_kind, shape, dtype, keep_one=keep_one)
+    return args
+
+
+def seq_rows(out, args):
+    """attnx's output as (N, L, E) (whatever the layout)."""
+    if out.ndim == 2:
+        return out[None]
+    return out if args.get("batch_first") else out.transpose(1, 0, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Combinations
+# ---------------------------------------------------------------------------------------------
+
+MASK_CASES = [(None, 2), ("bool", 2), ("bool", 3), ("float", 2), ("float", 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+@pytest.mark.parametrize("add_zero_attn", [False, True], ids=["", "zero_attn"])
+@pytest.mark.parametrize("bias_kv", [False, True], ids=["", "bias_kv"])
+@pytest.mark.parametrize("kpm", [None, "bool", "float"], ids=["kpm_none", "kpm_bool", "kpm_float"])
+@pytest.mark.parametrize("mask,rank", MASK_CASES, ids=[f"{m}{r}" for m, r in MASK_CASES])
+def test_masks_bias_kv_zero_attn(rng, mask, rank, kpm, bias_kv, add_zero_attn, batch_first, dtype):
+    args = mha_args(rng, L=5, S=7, N=2, E=8, H=2, dtype=dtype, bias_kv=bias_kv,
+                    add_zero_attn=add_zero_attn, batch_first=batch_first)
+    add_masks(rng, args, mask, rank, kpm, dtype)
+    out, w = check(args)
+    S_total = 7 + bias_kv + add_zero_attn
+    assert out.shape == ((2, 5, 8) if batch_first else (5, 2, 8))
+    assert w.shape == (2, 5, S_total)
+    np.testing.assert_allclose(w.sum(axis=-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("unbatched", [False, True], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+@pytest.mark.parametrize("average", [True, False], ids=["avg", "per_head"])
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
+def test_weights_options(rng, need_weights, average, batch_first, unbatched, dtype):
+    H, L, S, N, E = 3, 6, 9, 2, 12
+    args = mha_args(rng, L=L, S=S, N=N, E=E, H=H, dtype=dtype, need_weights=need_weights,
+                    average_attn_weights=average, batch_first=batch_first, unbatched=unbatched,
+                    bias_kv=True, add_zero_attn=True)
+    add_masks(rng, args, "bool", 3, "float", dtype)
+    out, w = check(args)
+    lead = () if unbatched else (N,)
+    assert out.shape == ((L, E) if unbatched else ((N, L, E) if batch_first else (L, N, E)))
+    if need_weights:
+        assert w.shape == lead + ((L, S + 2) if average else (H, L, S + 2))
+        if not average:
+            # The averaged weights are the mean of the per-head ones.
+            args2 = {**args, "average_attn_weights": True}
+            _, w_avg = mha(**args2)
+            assert_close(w_avg, w.astype(np.float64).mean(axis=-3), dtype)
+    else:
+        assert w is None
+        # need_weights does not change the output.
+        out_w, _ = mha(**{**args, "need_weights": True})
+        assert_close(out, out_w.astype(np.float64), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kpm", [None, "bool", "float"])
+@pytest.mark.parametrize("add_zero_attn", [False, True], ids=["", "zero_attn"])
+@pytest.mark.parametrize("which", ["k", "v", "kv"])
+def test_static_kv(rng, which, add_zero_attn, kpm, dtype):
+    H, hd, N, L, S, S2 = 2, 4, 3, 5, 6, 9
+    args = mha_args(rng, L=L, S=S, N=N, E=H * hd, H=H, dtype=dtype, add_zero_attn=add_zero_attn)
+    if which == "k":
+        args["static_k"] = randn(rng, (N * H, S, hd), dtype)
+    elif which == "v":
+        args["static_v"] = randn(rng, (N * H, S, hd), dtype)
+    else:
+        args["static_k"] = randn(rng, (N * H, S2, hd), dtype)
+        args["static_v"] = randn(rng, (N * H, S2, hd), dtype)
+    add_masks(rng, args, "float", 3, kpm, dtype)
+    out, w = check(args)
+    assert w.shape == (N, L, src_len(args) + add_zero_attn)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bias_kv", [False, True], ids=["", "bias_kv"])
+@pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
+@pytest.mark.parametrize("kdim,vdim", [(5, 7), (8, 3), (12, 8), (8, 8), (1, 1)])
+def test_kdim_vdim(rng, kdim, vdim, in_bias, bias_kv, dtype):
+    args = mha_args(rng, L=5, S=7, N=2, E=8, H=4, kdim=kdim, vdim=vdim, separate=True,
+                    in_bias=in_bias, bias_kv=bias_kv, dtype=dtype)
+    add_masks(rng, args, "bool", 2, "bool", dtype)
+    check(args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_separate_weights_equal_packed(rng, dtype):
+    args = mha_args(rng, dtype=dtype)
+    w = args["in_proj_weight"]
+    sep = {**args, "use_separate_proj_weight": True, "in_proj_weight": None,
+           "q_proj_weight": w[:8], "k_proj_weight": w[8:16], "v_proj_weight": w[16:]}
+    for a, b in zip(mha(**args), mha(**sep)):
+        assert_identical(a, b)
+    # With use_separate_proj_weight the packed weight is ignored.
+    sep["in_proj_weight"] = np.full_like(w, np.nan)
+    for a, b in zip(mha(**args), mha(**sep)):
+        assert_identical(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("out_bias", [False, True], ids=["no_out_bias", "out_bias"])
+@pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
+def test_optional_biases(rng, in_bias, out_bias, dtype):
+    args = mha_args(rng, in_bias=in_bias, out_bias=out_bias, dtype=dtype)
+    check(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes
+# ---------------------------------------------------------------------------------------------
+
+HEAD_CONFIGS = [(1, 1), (15, 1), (32, 2), (34, 2), (128, 2), (160, 2), (128, 1)]  # head_dim 1..128
+LENGTH_PAIRS = [(1, 1), (31, 129), (32, 33), (33, 32), (129, 31), (127, 300), (300, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L,S", LENGTH_PAIRS)
+@pytest.mark.parametrize("E,H", HEAD_CONFIGS)
+def test_sizes(rng, E, H, L, S, dtype):
+    N = 1 if E * max(L, S) > 20000 else 2
+    args = mha_args(rng, L=L, S=S, N=N, E=E, H=H, dtype=dtype, need_weights=(L * S < 20000))
+    check(args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L,S", [(31, 129), (129, 31), (300, 300), (5, 5), (5, 9), (9, 5)])
+def test_sizes_with_masks_and_causal(rng, L, S, dtype):
+    args = mha_args(rng, L=L, S=S, N=2, E=16, H=2, dtype=dtype, is_causal=True)
+    add_masks(rng, args, None, 2, "bool", dtype)
+    check(args)
+    args["need_weights"] = False
+    check(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# is_causal
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("extras", ["", "bias_kv", "zero_attn", "static"])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("L,S", [(5, 5), (4, 9), (9, 4), (40, 140)])
+def test_is_causal_alone(rng, L, S, need_weights, extras, dtype):
+    N, H, E = 2, 2, 8
+    args = mha_args(rng, L=L, S=S, N=N, E=E, H=H, dtype=dtype, is_causal=True,
+                    need_weights=need_weights, bias_kv=extras == "bias_kv",
+                    add_zero_attn=extras == "zero_attn")
+    if extras == "static":
+        args["static_k"] = randn(rng, (N * H, S, E // H), dtype)
+    out, w = check(args)
+    # The same as torch's convention: an explicit causal bool mask (True = not allowed).
+    explicit = {**args, "is_causal": False, "attn_mask": np.triu(np.ones((L, S), bool), 1)}
+    out2, w2 = mha(**explicit)
+    assert_close(out, out2.astype(np.float64), dtype)
+    if need_weights:
+        assert_close(w, w2.astype(np.float64), dtype)
+        # Row i has zero weight on source keys j > i; appended keys stay visible.
+        future = np.triu(np.ones((L, S), bool), 1)
+        assert (w[:, :, :S][:, future] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_is_causal_with_attn_mask_uses_the_mask(rng, kind, dtype):
+    args = mha_args(rng, L=6, S=6, dtype=dtype)
+    add_masks(rng, args, kind, 2, None, dtype)
+    plain = mha(**args)
+    causal = mha(**{**args, "is_causal": True})
+    check({**args, "is_causal": True})
+    for a, b in zip(plain, causal):
+        assert_identical(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unbatched, empty, fully masked
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("mask,rank", MASK_CASES)
+@pytest.mark.parametrize("kpm", [None, "bool", "float"])
+def test_unbatched_equals_batch_of_one(rng, mask, rank, kpm, dtype):
+    H, L, S, E = 2, 5, 7, 8
+    args = mha_args(rng, L=L, S=S, E=E, H=H, dtype=dtype, unbatched=True, bias_kv=True)
+    add_masks(rng, args, mask, rank, kpm, dtype)
+    out, w = check(args)
+    assert out.shape == (L, E) and w.shape == (L, S + 1)
+    batched = {**args, "query": args["query"][:, None], "key": args["key"][:, None],
+               "value": args["value"][:, None]}
+    if kpm is not None:
+        batched["key_padding_mask"] = args["key_padding_mask"][None]
+    out1, w1 = mha(**batched)
+    assert_close(out, out1[:, 0].astype(np.float64), dtype)
+    assert_close(w, w1[0].astype(np.float64), dtype)
+    _, w_heads = mha(**{**args, "average_attn_weights": False})
+    assert w_heads.shape == (H, L, S + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("L,S,N", [(5, 7, 0), (0, 7, 2), (0, 0, 0), (0, 7, 0)])
+def test_empty_batch_or_queries(rng, L, S, N, batch_first, dtype):
+    args = mha_args(rng, L=L, S=S, N=N, dtype=dtype, batch_first=batch_first)
+    add_masks(rng, args, "bool", 3, "bool", dtype)
+    out, w = check(args)
+    assert out.shape == ((N, L, 8) if batch_first else (L, N, 8))
+    assert w.shape == (N, L, S)
+    _, w = mha(**{**args, "average_attn_weights": False})
+    assert w.shape == (N, 2, L, S)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("out_bias", [True, False])
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_no_keys(rng, unbatched, out_bias, dtype):
+    # S = 0: no key at all, the attention rows are zero, the output is out_proj_bias.
+    L, N, E = 6, 2, 8
+    args = mha_args(rng, L=L, S=0, N=N, E=E, dtype=dtype, unbatched=unbatched, out_bias=out_bias)
+    out, w = check(args)
+    bias = args["out_proj_bias"] if out_bias else np.zeros(E, dtype)
+    np.testing.assert_array_equal(out, np.broadcast_to(bias, out.shape))
+    assert w.shape == ((L, 0) if unbatched else (N, L, 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_no_keys_with_zero_attn(rng, dtype):
+    args = mha_args(rng, L=6, S=0, N=2, dtype=dtype, add_zero_attn=True)
+    out, w = check(args)
+    np.testing.assert_array_equal(w, 1.0)
+    args = mha_args(rng, L=6, S=0, N=2, dtype=dtype, bias_kv=True)
+    out, w = check(args)
+    np.testing.assert_array_equal(w, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("how", ["kpm_bool", "kpm_float", "attn_bool", "attn_float3", "both"])
+def test_fully_masked_rows(rng, how, need_weights, dtype):
+    L, S, N, H, E = 40, 140, 2, 2, 8
+    args = mha_args(rng, L=L, S=S, N=N, E=E, H=H, dtype=dtype, need_weights=need_weights,
+                    average_attn_weights=False)
+    add_masks(rng, args, None, 2, None, dtype)
+    dead = np.zeros((N, H, L), bool)  # (n, h, l) rows with no open key
+    if how.startswith("kpm"):
+        kpm = mha_mask(rng, how[4:], (N, S), dtype)
+        kpm[1] = True if how == "kpm_bool" else -np.inf
+        args["key_padding_mask"] = kpm
+        dead[1] = True
+    elif how == "attn_bool":
+        am = mha_mask(rng, "bool", (L, S), dtype)
+        am[[0, 31, 32, 39]] = True
+        args["attn_mask"] = am
+        dead[:, :, [0, 31, 32, 39]] = True
+    elif how == "attn_float3":
+        am = mha_mask(rng, "float", (N * H, L, S), dtype).reshape(N, H, L, S)
+        am[0, 1, 5] = -np.inf
+        am[1, 0, 33] = -np.inf
+        args["attn_mask"] = am.reshape(N * H, L, S)
+        dead[0, 1, 5] = dead[1, 0, 33] = True
+    else:
+        am = np.zeros((L, S), bool)
+        am[:, :70] = True
+        kpm = np.zeros((N, S), bool)
+        kpm[0, 70:] = True
+        args["attn_mask"], args["key_padding_mask"] = am, kpm
+        dead[0] = True
+    out, w = check(args)
+    rows = seq_rows(out, args)  # (N, L, E)
+    all_dead = dead.all(axis=1)  # (N, L): rows dead in every head
+    # Deviation from torch: a row with no key gives out_proj_bias (never NaN) ...
+    np.testing.assert_array_equal(rows[all_dead], np.broadcast_to(args["out_proj_bias"], rows[all_dead].shape))
+    assert np.isfinite(out).all()
+    # ... and zero weights.
+    if need_weights:
+        np.testing.assert_array_equal(w[dead], 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fully_masked_keys_but_bias_kv_and_zero_attn_are_open(rng, dtype):
+    args = mha_args(rng, L=5, S=7, dtype=dtype, bias_kv=True, add_zero_attn=True)
+    args["key_padding_mask"] = np.ones((2, 7), bool)
+    out, w = check(args)
+    # Only the two appended keys are open.
+    np.testing.assert_array_equal(w[..., :7], 0.0)
+    np.testing.assert_allclose(w[..., 7:].sum(axis=-1), 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes, dropout, NaN and Inf
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_float16_inputs_are_converted(rng, dtype):
+    args = mha_args(rng, dtype=dtype, bias_kv=True)
+    for name in ("key", "value", "in_proj_weight", "in_proj_bias", "out_proj_weight", "bias_k"):
+        args[name] = args[name].astype(np.float16)
+    add_masks(rng, args, "float", 2, "float", np.float16)
+    out, w = check(args, dtype)
+    assert out.dtype == dtype and w.dtype == dtype
+    converted = {k: (v.astype(dtype) if isinstance(v, np.ndarray) and v.dtype == np.float16 else v)
+                 for k, v in args.items()}
+    for a, b in zip((out, w), mha(**converted)):
+        assert_identical(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_query_dtype_decides(rng, dtype):
+    other = np.float64 if dtype == np.float32 else np.float32
+    args = mha_args(rng, dtype=other)
+    args["query"] = args["query"].astype(dtype)
+    out, w = check(args, dtype)
+    assert out.dtype == dtype and w.dtype == dtype
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3, 1.0])
+def test_dropout_ignored_when_not_training(rng, dropout_p):
+    args = mha_args(rng)
+    base = mha(**args)
+    for a, b in zip(base, mha(**{**args, "dropout_p": dropout_p, "training": False})):
+        assert_identical(a, b)
+    for a, b in zip(base, mha(**{**args, "dropout_p": 0.0, "training": True})):
+        assert_identical(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_nan_in_query_row(rng, batch_first, dtype):
+    N, L, S, E = 2, 40, 140, 8
+    args = mha_args(rng, L=L, S=S, N=N, E=E, dtype=dtype, batch_first=batch_first)
+    q = args["query"]
+    (q[1, 33] if batch_first else q[33, 1])[2] = np.nan
+    with np.errstate(invalid="ignore"):
+        out, w = check(args)
+    rows = seq_rows(out, args)
+    assert np.isnan(rows[1, 33]).all()
+    assert np.isnan(w[1, 33]).all()
+    ok = np.ones((N, L), bool)
+    ok[1, 33] = False
+    assert np.isfinite(rows[ok]).all() and np.isfinite(w[ok]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_nan_in_key_or_value(rng, where, dtype):
+    N, L, S, E = 2, 40, 140, 8
+    args = mha_args(rng, L=L, S=S, N=N, E=E, dtype=dtype)
+    args[where][100, 0, 3] = np.nan  # sequence-first: position 100 of batch 0
+    with np.errstate(invalid="ignore"):
+        out, w = check(args)
+    rows = seq_rows(out, args)
+    assert np.isnan(rows[0]).all()  # the out projection mixes every column
+    assert np.isfinite(rows[1]).all() and np.isfinite(w[1]).all()
+    if where == "value":
+        assert np.isfinite(w).all()  # a NaN value does not touch the weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("where", ["key", "value"])
+@pytest.mark.parametrize("how", ["kpm_bool", "kpm_float", "attn_bool", "causal"])
+def test_nan_in_masked_key_reaches_no_row(rng, how, where, dtype):
+    N, L, S, E = 2, 40, 140, 8
+    j = 100
+    args = mha_args(rng, L=L, S=S, N=N, E=E, dtype=dtype)
+    args[where][j, 0, :] = np.nan
+    touched = np.zeros((N, L), bool)  # rows that attend key j of batch 0
+    if how.startswith("kpm"):
+        kpm = mha_mask(rng, how[4:], (N, S), dtype)
+        kpm[0, j] = True if how == "kpm_bool" else -np.inf
+        args["key_padding_mask"] = kpm
+    elif how == "attn_bool":
+        am = mha_mask(rng, "bool", (L, S), dtype)
+        am[:, j] = True
+        am[7, j] = False
+        args["attn_mask"] = am
+        touched[0, 7] = True
+    else:
+        args["is_causal"] = True  # L = 40 <= j: no row attends key j
+    with np.errstate(invalid="ignore"):
+        out, w = check(args)
+    rows = seq_rows(out, args)
+    assert np.isfinite(rows[~touched]).all()
+    assert np.isfinite(w[~touched]).all()
+    assert np.isnan(rows[touched]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_nan_in_weights_propagates_to_every_row(rng, dtype):
+    args = mha_args(rng, dtype=dtype)
+    args["out_proj_weight"][3, 1] = np.nan
+    with np.errstate(invalid="ignore"):
+        out, w = check(args)
+    assert np.isnan(out[..., 3]).all()
+    assert np.isfinite(np.delete(out, 3, axis=-1)).all() and np.isfinite(w).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_nonfinite_value_of_open_key_with_underflowing_weight(rng, need_weights, dtype):
+    # Key 3 is open (finite bias) but its weight underflows to 0: the value's NaN/Inf still
+    # reaches the rows (never silently zeroed), as softmax(...) @ v in the reference.
+    args = mha_args(rng, L=5, S=7, N=2, E=8, H=1, dtype=dtype, need_weights=need_weights)
+    args["value"][3, 0, :] = np.inf
+    am = np.zeros((5, 7), dtype)
+    am[:, 3] = -1e4
+    args["attn_mask"] = am
+    with np.errstate(invalid="ignore", over="ignore"):
+        out, _ = check(args)
+    assert np.isnan(out[:, 0]).all()
+    assert np.isfinite(out[:, 1]).all()
+
+
+@pytest.mark.parametrize("scale", [30.0, 300.0])
+def test_large_logits_do_not_overflow(rng, scale):
+    # Large projections: scores of ~1e4 and more. float64 must match the reference tightly;
+    # float32 must stay finite and the weights must still sum to one.
+    args = mha_args(rng, L=33, S=140, N=2, E=16, H=2, dtype=np.float64, average_attn_weights=False)
+    args["in_proj_weight"] = args["in_proj_weight"] * scale
+    out, w = check(args)
+    assert np.isfinite(out).all()
+    assert np.abs(w).max() > 0.99  # nearly one-hot rows: the logits are large
+    a32 = {k: (v.astype(np.float32) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    out32, w32 = mha(**a32)
+    assert np.isfinite(out32).all() and np.isfinite(w32).all()
+    np.testing.assert_allclose(w32.sum(axis=-1), 1.0, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads, inputs untouched, no aliasing
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("options", [
+    {}, {"need_weights": False}, {"average_attn_weights": False}, {"is_causal": True},
+    {"bias_kv": True, "add_zero_attn": True}, {"batch_first": True},
+])
+def test_thread_count_does_not_change_results(rng, threads, options, dtype):
+    options = dict(options)
+    extra = {k: options.pop(k) for k in list(options) if k in ("bias_kv", "add_zero_attn", "batch_first")}
+    args = mha_args(rng, L=130, S=200, N=3, E=64, H=4, dtype=dtype, **extra)
+    args.update(options)
+    add_masks(rng, args, "float", 2, "bool", dtype)
+    with num_threads(1):
+        one = mha(**args)
+    for n in (2, 3):
+        with num_threads(n):
+            many = mha(**args)
+        for a, b in zip(one, many):
+            if a is None:
+                assert b is None
+            else:
+                assert_identical(a, b, err_msg=f"1 thread vs {n}")
+    assert attnx.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("static", [False, True])
+def test_inputs_unchanged_and_not_aliased(rng, static, dtype):
+    N, H, hd = 2, 2, 4
+    args = mha_args(rng, L=5, S=7, N=N, E=H * hd, H=H, dtype=dtype, bias_kv=not static,
+                    add_zero_attn=True, average_attn_weights=False)
+    if static:
+        args["static_k"] = randn(rng, (N * H, 7, hd), dtype)
+        args["static_v"] = randn(rng, (N * H, 7, hd), dtype)
+    add_masks(rng, args, "float", 3, "float", dtype)
+    before = copies(args)
+    out, w = mha(**args)
+    assert_unchanged(before, args)
+    arrays = {k: v for k, v in args.items() if isinstance(v, np.ndarray)}
+    assert_no_alias(out, arrays)
+    assert_no_alias(w, arrays)
+    assert not np.shares_memory(out, w)
+    assert out.flags.writeable and w.flags.writeable
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_self_attention_same_array(rng, batch_first, dtype):
+    args = mha_args(rng, L=9, S=9, dtype=dtype, batch_first=batch_first)
+    x = args["query"]
+    x0 = x.copy()
+    args["key"] = args["value"] = x
+    out, w = check(args)
+    assert_identical(x, x0)
+    assert not np.shares_memory(out, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_mha64(torch, args):
+    """torch's F.multi_head_attention_forward in float64 on the same arguments.
+
+    batch_first is emulated by transposing; attnx's is_causal without attn_mask becomes an
+    explicit causal bool mask (torch needs one).
+    """
+    a = dict(args)
+    batch_first = a.pop("batch_first", False)
+    q = a["query"]
+    if batch_first and q.ndim == 3:
+        for name in ("query", "key", "value"):
+            a[name] = np.swapaxes(a[name], 0, 1)
+    if a.get("is_causal"):
+        if a.get("attn_mask") is None:
+            L = q.shape[1] if (batch_first and q.ndim == 3) else q.shape[0]
+            a["attn_mask"] = np.triu(np.ones((L, src_len(args)), bool), 1)
+        a["is_causal"] = False  # torch uses attn_mask as given with need_weights
+
+    def t(x):
+        if not isinstance(x, np.ndarray):
+            return x
+        return torch.from_numpy(x.copy() if x.dtype == np.bool_ else x.astype(np.float64))
+
+    a = {k: t(v) for k, v in a.items()}
+    with torch.no_grad(), quiet_torch():
+        out, w = torch.nn.functional.multi_head_attention_forward(**a)
+    out = out.numpy()
+    if batch_first and q.ndim == 3:
+        out = np.swapaxes(out, 0, 1)
+    return out, None if w is None else w.numpy()
+
+
+def check_torch(torch, args, dead_rows=None):
+    """attnx vs torch (float64); dead_rows (N, L) bool: rows torch gives NaN for."""
+    dtype = args["query"].dtype
+    out, w = mha(**args)
+    t_out, t_w = torch_mha64(torch, args)
+    if dead_rows is None:
+        assert_close(out, t_out, dtype)
+        if w is not None:
+            assert_close(w, t_w, dtype)
+        return out, w
+    ours, theirs = seq_rows(out, args), seq_rows(t_out, args)
+    assert_close(ours[~dead_rows], theirs[~dead_rows], dtype)
+    if w is not None:
+        w3 = w if w.ndim == 3 else w[None]
+        tw3 = t_w if t_w.ndim == 3 else t_w[None]
+        assert_close(w3[~dead_rows], tw3[~dead_rows], dtype)
+    return out, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("add_zero_attn", [False, True], ids=["", "zero_attn"])
+@pytest.mark.parametrize("bias_kv", [False, True], ids=["", "bias_kv"])
+@pytest.mark.parametrize("kpm", [None, "bool", "float"], ids=["kpm_none", "kpm_bool", "kpm_float"])
+@pytest.mark.parametrize("mask,rank", MASK_CASES, ids=[f"{m}{r}" for m, r in MASK_CASES])
+def test_torch_masks_bias_kv_zero_attn(torch, rng, mask, rank, kpm, bias_kv, add_zero_attn, dtype):
+    args = mha_args(rng, L=5, S=7, N=2, E=8, H=2, dtype=dtype, bias_kv=bias_kv,
+                    add_zero_attn=add_zero_attn)
+    add_masks(rng, args, mask, rank, kpm, dtype)
+    check_torch(torch, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("unbatched", [False, True], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("average", [True, False], ids=["avg", "per_head"])
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+def test_torch_weights_layouts(torch, rng, batch_first, need_weights, average, unbatched, dtype):
+    args = mha_args(rng, L=6, S=9, N=2, E=12, H=3, dtype=dtype, batch_first=batch_first,
+                    need_weights=need_weights, average_attn_weights=average, unbatched=unbatched)
+    add_masks(rng, args, "bool", 3, "bool", dtype)
+    check_torch(torch, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("which", ["k", "v", "kv"])
+@pytest.mark.parametrize("add_zero_attn", [False, True])
+def test_torch_static_kv(torch, rng, which, add_zero_attn, dtype):
+    H, hd, N = 2, 4, 3
+    args = mha_args(rng, L=5, S=6, N=N, E=H * hd, H=H, dtype=dtype, add_zero_attn=add_zero_attn)
+    S2 = 6 if which != "kv" else 9
+    if "k" in which:
+        args["static_k"] = randn(rng, (N * H, S2, hd), dtype)
+    if "v" in which:
+        args["static_v"] = randn(rng, (N * H, S2, hd), dtype)
+    # (torch checks a 2-D attn_mask against the length of `key`, not of static_k)
+    add_masks(rng, args, "float" if S2 == 6 else None, 2, "bool", dtype)
+    check_torch(torch, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kdim,vdim", [(5, 7), (8, 3), (12, 8)])
+@pytest.mark.parametrize("bias_kv", [False, True])
+def test_torch_kdim_vdim(torch, rng, kdim, vdim, bias_kv, dtype):
+    args = mha_args(rng, L=5, S=7, N=2, E=8, H=4, kdim=kdim, vdim=vdim, dtype=dtype,
+                    bias_kv=bias_kv, add_zero_attn=True)
+    add_masks(rng, args, "bool", 2, "float", dtype)
+    check_torch(torch, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("E,H", [(1, 1), (34, 2), (160, 2), (128, 1)])
+@pytest.mark.parametrize("L,S", [(31, 129), (129, 31), (33, 300)])
+def test_torch_sizes(torch, rng, E, H, L, S, dtype):
+    args = mha_args(rng, L=L, S=S, N=2, E=E, H=H, dtype=dtype)
+    check_torch(torch, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("L,S", [(5, 5), (4, 9), (9, 4), (40, 140)])
+def test_torch_is_causal(torch, rng, L, S, need_weights, dtype):
+    args = mha_args(rng, L=L, S=S, N=2, E=8, H=2, dtype=dtype, is_causal=True,
+                    need_weights=need_weights, bias_kv=True)
+    check_torch(torch, args)
+    add_masks(rng, args, "bool", 2, "bool", dtype)  # is_causal with attn_mask: mask as given
+    check_torch(torch, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("how", ["kpm", "attn"])
+def test_torch_fully_masked_rows(torch, rng, how, dtype):
+    L, S, N = 6, 9, 2
+    args = mha_args(rng, L=L, S=S, N=N, dtype=dtype)
+    dead = np.zeros((N, L), bool)
+    if how == "kpm":
+        kpm = np.zeros((N, S), bool)
+        kpm[1] = True
+        args["key_padding_mask"] = kpm
+        dead[1] = True
+    else:
+        am = mha_mask(rng, "bool", (L, S))
+        am[[0, 4]] = True
+        args["attn_mask"] = am
+        dead[:, [0, 4]] = True
+    out, w = check_torch(torch, args, dead_rows=dead)
+    rows = seq_rows(out, args)
+    np.testing.assert_array_equal(rows[dead], np.broadcast_to(args["out_proj_bias"], rows[dead].shape))
+    np.testing.assert_array_equal(w[dead], 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random combinations (hypothesis)
+# ---------------------------------------------------------------------------------------------
+
+@hypothesis.settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@hypothesis.given(
+    seed=st.integers(0, 2**31),
+    N=st.integers(1, 3),
+    H=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([1, 3, 8]),
+    L=st.sampled_from([1, 2, 31, 33, 40]),
+    S=st.sampled_from([1, 5, 33, 130]),
+    kdim=st.sampled_from([None, 5]),
+    attn=st.sampled_from([None, "bool", "float"]),
+    attn_rank=st.sampled_from([2, 3]),
+    kpm=st.sampled_from([None, "bool", "float"]),
+    bias_kv=st.booleans(),
+    add_zero_attn=st.booleans(),
+    static=st.booleans(),
+    batch_first=st.booleans(),
+    unbatched=st.booleans(),
+    need_weights=st.booleans(),
+    average=st.booleans(),
+    is_causal=st.booleans(),
+    in_bias=st.booleans(),
+    out_bias=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_random_combinations(seed, N, H, head_dim, L, S, kdim, attn, attn_rank, kpm, bias_kv,
+                             add_zero_attn, static, batch_first, unbatched, need_weights, average,
+                             is_causal, in_bias, out_bias, dtype):
+    rng = np.random.default_rng(seed)
+    E = H * head_dim
+    if static:
+        bias_kv = False
+    args = mha_args(rng, L=L, S=S, N=N, E=E, H=H, dtype=dtype, kdim=kdim, vdim=kdim,
+                    in_bias=in_bias, out_bias=out_bias, bias_kv=bias_kv,
+                    add_zero_attn=add_zero_attn, batch_first=batch_first, unbatched=unbatched,
+                    need_weights=need_weights, average_attn_weights=average, is_causal=is_causal)
+    if static:
+        n = 1 if unbatched else N
+        args["static_k"] = randn(rng, (n * H, S + 2, head_dim), dtype)
+        args["static_v"] = randn(rng, (n * H, S + 2, head_dim), dtype)
+    add_masks(rng, args, attn, attn_rank, kpm, dtype, keep_one=False)
+    with np.errstate(all="ignore"):
+        out, w = check(args)
+    assert np.isfinite(out).all()
+    if need_weights:
+        assert np.isfinite(w).all()
