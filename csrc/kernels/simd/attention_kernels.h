@@ -171,18 +171,51 @@ struct Kernels {
 
   static void scores(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
                      T* dst) {
-    for (int64_t j = 0; j < n_keys; ++j) dst[j] = scale * dot(q, k + j * ldk, dim);
+    // Four keys at a time: each query vector is loaded once for four keys,
+    // and the four horizontal sums at the end overlap instead of chaining.
+    int64_t j = 0;
+    for (; j + 4 <= n_keys; j += 4) {
+      const T* k0 = k + j * ldk;
+      const T* k1 = k0 + ldk;
+      const T* k2 = k1 + ldk;
+      const T* k3 = k2 + ldk;
+      V a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+      int64_t i = 0;
+      for (; i + W <= dim; i += W) {
+        const V qi = Vec::load(q + i);
+        a0 = Vec::fmadd(qi, Vec::load(k0 + i), a0);
+        a1 = Vec::fmadd(qi, Vec::load(k1 + i), a1);
+        a2 = Vec::fmadd(qi, Vec::load(k2 + i), a2);
+        a3 = Vec::fmadd(qi, Vec::load(k3 + i), a3);
+      }
+      if (i < dim) {
+        const int len = static_cast<int>(dim - i);
+        const V qi = Vec::load_partial(q + i, len);
+        a0 = Vec::fmadd(qi, Vec::load_partial(k0 + i, len), a0);
+        a1 = Vec::fmadd(qi, Vec::load_partial(k1 + i, len), a1);
+        a2 = Vec::fmadd(qi, Vec::load_partial(k2 + i, len), a2);
+        a3 = Vec::fmadd(qi, Vec::load_partial(k3 + i, len), a3);
+      }
+      dst[j] = scale * Vec::reduce_add(a0);
+      dst[j + 1] = scale * Vec::reduce_add(a1);
+      dst[j + 2] = scale * Vec::reduce_add(a2);
+      dst[j + 3] = scale * Vec::reduce_add(a3);
+    }
+    for (; j < n_keys; ++j) dst[j] = scale * dot(q, k + j * ldk, dim);
   }
 
   static void accumulate_pv(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
                             T* acc) {
-    // Up to 4 vectors of the accumulator stay in registers across the keys.
-    constexpr int kChunk = 4 * W;
+    // Up to 8 vectors of the accumulator stay in registers across the keys,
+    // so a value row of up to 8W elements is streamed once.
+    constexpr int kVectors = 8;
+    constexpr int kChunk = kVectors * W;
     for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
       const int len = static_cast<int>(min64(kChunk, dim - d0));
       const int full = len / W, tail = len % W;
-      V a[4];
-      for (int u = 0; u < 4; ++u)
+      V a[kVectors];
+#pragma GCC unroll 8
+      for (int u = 0; u < kVectors; ++u)
         a[u] = u < full ? Vec::load(acc + d0 + u * W)
                         : (u == full && tail ? Vec::load_partial(acc + d0 + u * W, tail)
                                              : Vec::zero());
@@ -190,10 +223,14 @@ struct Kernels {
         if (p[j] == T(0)) continue;
         const V pj = Vec::set1(p[j]);
         const T* vj = v + j * ldv + d0;
-        for (int u = 0; u < full; ++u) a[u] = Vec::fmadd(pj, Vec::load(vj + u * W), a[u]);
+#pragma GCC unroll 8
+        for (int u = 0; u < kVectors; ++u)
+          if (u < full) a[u] = Vec::fmadd(pj, Vec::load(vj + u * W), a[u]);
         if (tail) a[full] = Vec::fmadd(pj, Vec::load_partial(vj + full * W, tail), a[full]);
       }
-      for (int u = 0; u < full; ++u) Vec::store(acc + d0 + u * W, a[u]);
+#pragma GCC unroll 8
+      for (int u = 0; u < kVectors; ++u)
+        if (u < full) Vec::store(acc + d0 + u * W, a[u]);
       if (tail) Vec::store_partial(acc + d0 + full * W, a[full], tail);
     }
   }
