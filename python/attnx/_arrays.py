@@ -56,7 +56,9 @@ def kernel_layout(a: np.ndarray, contiguous_last: bool = True) -> np.ndarray:
     ok = flags.aligned and all(s % item == 0 for s in a.strides)
     if ok and contiguous_last and a.ndim and a.shape[-1] > 1:
         ok = a.strides[-1] == item
-    return a if ok else np.ascontiguousarray(a)
+    # np.array(copy=True), not ascontiguousarray: the latter returns a
+    # contiguous but misaligned array unchanged.
+    return a if ok else np.array(a, order="C", copy=True)
 
 
 def additive_mask(mask, dtype: np.dtype, name: str, true_means_masked: bool) -> np.ndarray:

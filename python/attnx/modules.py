@@ -490,7 +490,13 @@ class MultiheadAttention:
         """
         dtype, E = self.dtype, self.embed_dim
         for x in (query, key, value):
-            if type(x) is not np.ndarray or x.ndim != 3 or x.dtype != dtype or x.strides[2] != dtype.itemsize:
+            if (
+                type(x) is not np.ndarray
+                or x.ndim != 3
+                or x.dtype != dtype
+                or x.strides[2] != dtype.itemsize
+                or not x.flags.aligned
+            ):
                 return None
         for flag in (need_weights, average_attn_weights, is_causal):
             if flag is not True and flag is not False:
@@ -510,7 +516,9 @@ class MultiheadAttention:
             self.bias_k, self.bias_v, self.out_proj_weight, self.out_proj_bias,
         ]
         for x in params:
-            if x is not None and (type(x) is not np.ndarray or x.dtype != dtype or not x.flags.c_contiguous):
+            if x is not None and (
+                type(x) is not np.ndarray or x.dtype != dtype or not (x.flags.c_contiguous and x.flags.aligned)
+            ):
                 return None
         if self.in_proj_weight is not None:
             if self.in_proj_weight.shape != (3 * E, E):
