@@ -36,24 +36,35 @@ constexpr int64_t kQueryBlock = 32;   // rows per task on the row path
 constexpr int64_t kKeyBlock = 128;    // keys per block on the row path
 constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multiple of kKeyBlock)
 
+// What masking found in a range of keys.
+struct KeyStates {
+  bool any_open = false;
+  bool any_closed = false;
+};
+
 // Applies the masks and the causal rule to the scores of query row i against
 // keys [j0, j0 + n). A closed key (a mask value of -inf, or above the causal
 // diagonal) gets the score -inf by selection, not addition, so that a NaN in
-// its key cannot reach this row. Returns whether any of these keys is open.
+// its key cannot reach this row.
 template <typename T>
-bool apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
-                 T* s) {
+KeyStates apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j0,
+                      int64_t n, T* s) {
   const int64_t end = j0 + n;
   const int64_t masked_end = std::min(end, a.mask_cols);  // keys past it are always open
   const int64_t causal_end = a.causal ? std::min(masked_end, std::max(j0, i + 1)) : masked_end;
   for (int64_t j = causal_end; j < masked_end; ++j) s[j - j0] = kNegInf<T>;
-  bool any_open = masked_end < end;
+  KeyStates states;
+  states.any_open = masked_end < end;
+  states.any_closed = causal_end < masked_end;
   const T* rows[kMaxMasks];
   int64_t steps[kMaxMasks];
   int count = 0;
   for (const auto& mask : a.masks)
     if (mask.present()) rows[count] = mask.at(b, h, i), steps[count++] = mask.stride[3];
-  if (count == 0) return any_open || causal_end > j0;
+  if (count == 0) {
+    states.any_open = states.any_open || causal_end > j0;
+    return states;
+  }
   for (int64_t j = j0; j < causal_end; ++j) {
     // The masks are summed before they are added, as torch merges them.
     bool open = true;
@@ -64,9 +75,45 @@ bool apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t 
       added += value;
     }
     s[j - j0] = open ? s[j - j0] + added : kNegInf<T>;
-    any_open = any_open || open;
+    states.any_open = states.any_open || open;
+    states.any_closed = states.any_closed || !open;
   }
-  return any_open;
+  return states;
+}
+
+// Whether query i may not attend key j (a mask value of -inf, or causal).
+template <typename T>
+bool key_closed(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j) {
+  if (j >= a.mask_cols) return false;
+  if (a.causal && j > i) return true;
+  for (const auto& mask : a.masks)
+    if (mask.present() && mask.at(b, h, i)[j * mask.stride[3]] == kNegInf<T>) return true;
+  return false;
+}
+
+template <typename T>
+bool rows_finite(const KernelTable<T>& kt, const T* v, int64_t ldv, int64_t n, int64_t dim) {
+  for (int64_t j = 0; j < n; ++j)
+    if (!kt.all_finite(v + j * ldv, dim)) return false;
+  return true;
+}
+
+// acc += p . V over keys [j0, j0 + n) for query i, with each key's value
+// either reaching the row or not exactly as the reference has it: a closed
+// key's value never does, an open key's always does, even when its
+// probability underflowed to 0 (so that 0 * NaN is NaN there). Plain
+// accumulation differs only where a closed key's value is not finite, so
+// only then is the slower, key-by-key form used.
+template <typename T>
+void accumulate_values(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
+                       int64_t i, int64_t j0, int64_t n, bool any_closed, const T* p,
+                       const T* v, int64_t ldv, int64_t Ev, T* acc) {
+  if (!any_closed || rows_finite(kt, v, ldv, n, Ev)) {
+    kt.accumulate_pv(p, v, ldv, n, Ev, acc);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (!key_closed(a, b, h, i, j0 + j)) kt.accumulate_pv(p + j, v + j * ldv, ldv, 1, Ev, acc);
 }
 
 // Row path over keys [j_begin, j_end). With `partial` null it writes the
@@ -100,7 +147,8 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       // (1) scores
       kt.scores(a.query.at(b, h, i), k_base + j0 * a.key.stride[2], a.key.stride[2], n, E,
                 a.scale, s);
-      open[r] = apply_masks(a, b, h, i, j0, n, s) || open[r];
+      const KeyStates states = apply_masks(a, b, h, i, j0, n, s);
+      open[r] = open[r] || states.any_open;
       // (2) new running max and the rescale of what was accumulated
       T block_max = kNegInf<T>;
       for (int64_t j = 0; j < n; ++j) block_max = max_ignoring_nan(block_max, s[j]);
@@ -113,7 +161,8 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       if (alpha != T(1)) kt.scale(acc_r, Ev, alpha);
       l[r] = alpha * l[r] + block_sum;
       m[r] = m_new;
-      kt.accumulate_pv(s, v_base + j0 * a.value.stride[2], a.value.stride[2], n, Ev, acc_r);
+      accumulate_values(a, kt, b, h, i, j0, n, states.any_closed, s,
+                        v_base + j0 * a.value.stride[2], a.value.stride[2], Ev, acc_r);
     }
   }
   if (partial) {
@@ -174,17 +223,18 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
     T* p = a.weights + ((b * Hq + h) * L + i) * S;
     T* o = a.out.at(b, h, i);
     kt.scores(a.query.at(b, h, i), k_base, a.key.stride[2], S, E, a.scale, p);
-    const bool open = apply_masks(a, b, h, i, 0, S, p);
+    const KeyStates states = apply_masks(a, b, h, i, 0, S, p);
     T row_max = kNegInf<T>;
     for (int64_t j = 0; j < S; ++j) row_max = max_ignoring_nan(row_max, p[j]);
     const T sum = kt.exp_shift_sum(p, S, exp_shift(row_max));
     std::fill(o, o + Ev, T(0));
-    if (!open) {  // fully masked row
+    if (!states.any_open) {  // fully masked row
       std::fill(p, p + S, T(0));
       continue;
     }
     kt.scale(p, S, T(1) / sum);
-    kt.accumulate_pv(p, v_base, a.value.stride[2], S, Ev, o);
+    accumulate_values(a, kt, b, h, i, 0, S, states.any_closed, p, v_base, a.value.stride[2], Ev,
+                      o);
   }
 }
 
@@ -226,13 +276,6 @@ bool close_tile(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t 
     }
   }
   return any_closed;
-}
-
-template <typename T>
-bool rows_finite(const KernelTable<T>& kt, const T* v, int64_t ldv, int64_t n, int64_t dim) {
-  for (int64_t j = 0; j < n; ++j)
-    if (!kt.all_finite(v + j * ldv, dim)) return false;
-  return true;
 }
 
 // Keys per block of the tile path. One block's keys and values (E + Ev per
@@ -303,7 +346,8 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     kt.softmax_tile(st, n, m, l, alpha);
     // (4) accumulate. A closed key has probability 0, and 0 * NaN would
     // carry a NaN in its value into this row: where keys were closed and
-    // the values are not all finite, accumulate row by row skipping zeros.
+    // the values are not all finite, accumulate row by row, key by key
+    // (see accumulate_values).
     const T* vb = v_base + j0 * ldv;
     if (!any_closed || rows_finite(kt, vb, ldv, n, Ev)) {
       kt.gemm(rows, Ev, n, st, 1, qt, vb, ldv, o, Ev, GemmInit::kScaleRows, alpha);
@@ -311,7 +355,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       for (int64_t r = 0; r < rows; ++r) {
         kt.scale(o + r * Ev, Ev, alpha[r]);
         for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
-        kt.accumulate_pv(p_row, vb, ldv, n, Ev, o + r * Ev);
+        accumulate_values(a, kt, b, h, i0 + r, j0, n, true, p_row, vb, ldv, Ev, o + r * Ev);
       }
     }
   }

@@ -41,8 +41,7 @@ struct KernelTable {
   // dst[j] = scale * <q, k_j> for j < n_keys; key rows are ldk apart.
   void (*scores)(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
                  T* dst);
-  // acc[:dim] += sum_j p[j] * v_j over j < n_keys with p[j] != 0 (a zero
-  // probability is a masked key, whose value must not reach the row).
+  // acc[:dim] += sum_j p[j] * v_j over j < n_keys.
   void (*accumulate_pv)(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
                         T* acc);
   // x[j] = exp(x[j] - shift) in place; returns the sum of the new values.

@@ -220,7 +220,6 @@ struct Kernels {
                         : (u == full && tail ? Vec::load_partial(acc + d0 + u * W, tail)
                                              : Vec::zero());
       for (int64_t j = 0; j < n_keys; ++j) {
-        if (p[j] == T(0)) continue;
         const V pj = Vec::set1(p[j]);
         const T* vj = v + j * ldv + d0;
 #pragma GCC unroll 8
