@@ -12,6 +12,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "attnx/attention.h"
 #include "bindings/array_views.h"
@@ -43,6 +44,42 @@ void require_shape(const View& v, const char* name, std::initializer_list<int64_
   }
 }
 
+// A mask broadcast to (lead..., H, L, S), any number of lead dims, as a
+// (B, H, L, S) view: one lead dim is a plain stride; several get a table of
+// batch offsets computed from the array's own strides, so a broadcast mask
+// is read in place however its lead dims are laid out.
+template <typename T>
+StridedView<const T, 4> batched_mask_view(const py::array& mask, const char* name,
+                                          std::vector<int64_t>& offsets) {
+  check_array<T>(mask, name, static_cast<int>(mask.ndim()), false, false);
+  const int lead = static_cast<int>(mask.ndim()) - 3;
+  if (lead < 1) throw py::value_error(std::string(name) + ": expected at least 4 dimensions");
+  StridedView<const T, 4> v;
+  v.data = static_cast<const T*>(mask.data());
+  for (int d = 0; d < 3; ++d) {
+    v.shape[1 + d] = mask.shape(lead + d);
+    v.stride[1 + d] = mask.strides(lead + d) / static_cast<py::ssize_t>(sizeof(T));
+  }
+  v.shape[0] = 1;
+  for (int d = 0; d < lead; ++d) v.shape[0] *= mask.shape(d);
+  if (lead == 1) {
+    v.stride[0] = mask.strides(0) / static_cast<py::ssize_t>(sizeof(T));
+    return v;
+  }
+  offsets.assign(size_t(v.shape[0]), 0);
+  // Row-major over the lead dims: offset(b) = sum_d index_d(b) * stride_d.
+  for (int64_t b = 0; b < v.shape[0]; ++b) {
+    int64_t rest = b, offset = 0;
+    for (int d = lead - 1; d >= 0; --d) {
+      offset += (rest % mask.shape(d)) * (mask.strides(d) / static_cast<py::ssize_t>(sizeof(T)));
+      rest /= mask.shape(d);
+    }
+    offsets[size_t(b)] = offset;
+  }
+  v.batch_offsets = offsets.data();
+  return v;
+}
+
 template <typename T>
 void sdpa_typed(const py::array& query, const py::array& key, const py::array& value,
                 const OptArray& attn_mask, bool causal, double scale, py::array& out,
@@ -59,8 +96,11 @@ void sdpa_typed(const py::array& query, const py::array& key, const py::array& v
   if (Hq > 0 && (Hk == 0 || Hq % Hk != 0))
     throw py::value_error("query heads (" + std::to_string(Hq) +
                           ") must be a multiple of key heads (" + std::to_string(Hk) + ")");
-  a.masks[0] = optional_view<T, 4>(attn_mask, "attn_mask", false);
-  if (a.masks[0].present()) require_shape(a.masks[0], "attn_mask", {B, Hq, L, S});
+  std::vector<int64_t> mask_offsets;
+  if (attn_mask) {
+    a.masks[0] = batched_mask_view<T>(*attn_mask, "attn_mask", mask_offsets);
+    require_shape(a.masks[0], "attn_mask", {B, Hq, L, S});
+  }
   if (!std::isfinite(scale)) throw py::value_error("scale must be finite");
   a.mask_cols = S;
   a.causal = causal;

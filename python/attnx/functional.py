@@ -154,7 +154,9 @@ def scaled_dot_product_attention(
                 f"attn_mask of shape {shape_str(np.shape(attn_mask))} does not broadcast to the "
                 f"scores' shape {shape_str(full_batch + (L, S))}"
             ) from None
-        mask4 = merge_leading(mask, nlead)
+        # The lead dims stay as they are: the core reads them through their
+        # strides even where they cannot merge into one (e.g. strides (0, s)).
+        mask4 = mask if nlead else mask[None]
 
     scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else as_finite_scale(scale)
 

@@ -14,6 +14,10 @@ struct StridedView {
   T* data = nullptr;
   int64_t shape[Rank] = {};
   int64_t stride[Rank] = {};
+  // When set, the offset of each index of dim 0, replacing index * stride[0]:
+  // several broadcast batch dims whose strides cannot merge into one (say
+  // (0, s)) are then still read in place.
+  const int64_t* batch_offsets = nullptr;
 
   bool present() const { return data != nullptr; }
 
@@ -21,10 +25,10 @@ struct StridedView {
   // indices are zero. Used to reach a row whose last dim is then walked.
   template <typename... Index>
   T* at(Index... index) const {
-    static_assert(sizeof...(Index) <= Rank, "too many indices");
+    static_assert(sizeof...(Index) >= 1 && sizeof...(Index) <= Rank, "bad index count");
     const int64_t idx[] = {static_cast<int64_t>(index)...};
-    int64_t offset = 0;
-    for (int d = 0; d < static_cast<int>(sizeof...(Index)); ++d) offset += idx[d] * stride[d];
+    int64_t offset = batch_offsets ? batch_offsets[idx[0]] : idx[0] * stride[0];
+    for (int d = 1; d < static_cast<int>(sizeof...(Index)); ++d) offset += idx[d] * stride[d];
     return data + offset;
   }
 };
