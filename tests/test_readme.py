@@ -1,0 +1,26 @@
+"""The README's quickstart runs as written and does what its comments say."""
+
+import pathlib
+import re
+
+import numpy as np
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def quickstart_code() -> str:
+    text = README.read_text()
+    section = text[text.index("## Quickstart") :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_quickstart_runs_and_shapes_match_its_comments():
+    namespace: dict = {}
+    exec(compile(quickstart_code(), "README quickstart", "exec"), namespace)
+    assert namespace["out"].shape == (2, 8, 128, 64)
+    assert namespace["y"].shape == (4, 100, 768)
+    assert namespace["weights"].shape == (4, 100, 100)
+    # Padded keys get no weight.
+    weights, padding = namespace["weights"], namespace["padding"]
+    assert np.all(weights[padding[:, None, :].repeat(100, axis=1)] == 0)
+    np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-5)
