@@ -83,12 +83,15 @@ def as_bool_flag(value, name: str) -> bool:
 
 
 def as_positive_int(value, name: str) -> int:
+    """`value` as an int >= 1; bools and non-integral numbers raise TypeError."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a positive integer, got {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+        raise TypeError(f"{name} must be a positive integer, got {value!r}") from None
     if n < 1:
-        raise ValueError(f"{name} must be >= 1, got {n}")
+        raise ValueError(f"{name} must be a positive integer, got {n}")
     return n
 
 

@@ -13,14 +13,13 @@ outputs are those of the torch module in ``eval()`` mode.
 from __future__ import annotations
 
 import math
-import operator
 from typing import NamedTuple
 
 import numpy as np
 
 from . import _core
 
-from ._arrays import as_bool_flag, shape_str
+from ._arrays import as_bool_flag, as_positive_int, shape_str
 from .functional import multi_head_attention_forward
 
 __all__ = ["MultiheadAttention"]
@@ -33,19 +32,6 @@ class LoadStateDictResult(NamedTuple):
 
     missing_keys: list
     unexpected_keys: list
-
-
-def _positive_int(value, name: str) -> int:
-    """`value` as an int >= 1; bools and non-integral numbers raise TypeError."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a positive integer, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be a positive integer, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"{name} must be a positive integer, got {n}")
-    return n
 
 
 def _module_dtype(dtype) -> np.dtype:
@@ -160,15 +146,15 @@ class MultiheadAttention:
         dtype=np.float32,
         seed=None,
     ):
-        embed_dim = _positive_int(embed_dim, "embed_dim")
-        num_heads = _positive_int(num_heads, "num_heads")
+        embed_dim = as_positive_int(embed_dim, "embed_dim")
+        num_heads = as_positive_int(num_heads, "num_heads")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
-        self.kdim = embed_dim if kdim is None else _positive_int(kdim, "kdim")
-        self.vdim = embed_dim if vdim is None else _positive_int(vdim, "vdim")
+        self.kdim = embed_dim if kdim is None else as_positive_int(kdim, "kdim")
+        self.vdim = embed_dim if vdim is None else as_positive_int(vdim, "vdim")
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.bias = as_bool_flag(bias, "bias")
         self.add_bias_kv = as_bool_flag(add_bias_kv, "add_bias_kv")
@@ -547,28 +533,7 @@ class MultiheadAttention:
         )
         return out, weights
 
-    def __call__(
-        self,
-        query,
-        key,
-        value,
-        key_padding_mask=None,
-        need_weights=True,
-        attn_mask=None,
-        average_attn_weights=True,
-        is_causal=False,
-    ):
-        """Same as :meth:`forward`."""
-        return self.forward(
-            query,
-            key,
-            value,
-            key_padding_mask=key_padding_mask,
-            need_weights=need_weights,
-            attn_mask=attn_mask,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
+    __call__ = forward
 
     def __repr__(self) -> str:
         args = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
