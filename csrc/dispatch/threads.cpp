@@ -1,9 +1,10 @@
 // Thread count and build facts.
 //
-// The count is one process-wide value used as `num_threads` on every parallel
-// region, rather than omp_set_num_threads, whose setting is per calling
-// thread: a service calling attnx from many Python threads gets the same
-// count in all of them.
+// Until set_num_threads is called, a call uses OpenMP's setting for the
+// calling thread (omp_get_max_threads: OMP_NUM_THREADS, or what
+// threadpoolctl's threadpool_limits set). set_num_threads then fixes one
+// process-wide count, used as `num_threads` on every parallel region, so a
+// service calling attnx from many Python threads gets the same count in all.
 #include <atomic>
 #include <string>
 
@@ -17,19 +18,19 @@
 namespace attnx {
 namespace {
 
-int default_threads() {
+std::atomic<int> g_num_threads{0};  // 0: not set, follow OpenMP
+
+}  // namespace
+
+int get_num_threads() {
+  const int n = g_num_threads.load(std::memory_order_relaxed);
+  if (n > 0) return n;
 #ifdef ATTNX_HAVE_OPENMP
-  return omp_get_max_threads();  // honours OMP_NUM_THREADS
+  return omp_get_max_threads();
 #else
   return 1;
 #endif
 }
-
-std::atomic<int> g_num_threads{default_threads()};
-
-}  // namespace
-
-int get_num_threads() { return g_num_threads.load(std::memory_order_relaxed); }
 
 void set_num_threads(int n) { g_num_threads.store(n < 1 ? 1 : n, std::memory_order_relaxed); }
 

@@ -20,7 +20,10 @@ def set_num_threads(n: int) -> None:
     Parameters
     ----------
     n : int
-        At least 1. The default is OpenMP's, which honours ``OMP_NUM_THREADS``.
+        At least 1. Until this is called, attnx follows OpenMP's setting for
+        the calling thread: ``OMP_NUM_THREADS``, or a limit set with
+        ``threadpoolctl.threadpool_limits``. Once called, ``n`` applies to
+        every thread of the process.
     """
     _core.set_num_threads(as_positive_int(n, "n"))
 
