@@ -270,7 +270,7 @@ bool close_tile(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t 
         is_open = is_open && value != kNegInf<T>;
         added += value;
       }
-      srow[r] = is_open ? srow[r] + added : kNegInf<T>;
+      srow[r] = is_open ? srow[r] + added * kLog2e<T> : kNegInf<T>;  // base-2 scores
       open[r] = open[r] || is_open;
       any_closed = any_closed || !is_open;
     }
@@ -314,10 +314,13 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   T* p_row = alpha + qt;            // key_block
 
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
+  // log2(e) is folded into the scale: scores come out in base 2, and the
+  // softmax exponentiates with exp2 (masks are scaled to match).
+  const T q_scale = a.scale * kLog2e<T>;
   std::fill(q_t, q_t + E * qt, T(0));
   for (int64_t r = 0; r < rows; ++r) {
     const T* q = a.query.at(b, h, i0 + r);
-    for (int64_t e = 0; e < E; ++e) q_t[e * qt + r] = q[e] * a.scale;
+    for (int64_t e = 0; e < E; ++e) q_t[e * qt + r] = q[e] * q_scale;
   }
   std::fill(o, o + qt * Ev, T(0));
   std::fill(m, m + qt, kNegInf<T>);

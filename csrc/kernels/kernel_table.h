@@ -31,9 +31,10 @@ struct KernelTable {
                const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init, const T* init_values);
 
   // One online-softmax step over a score tile s of `rows` keys x query_tile
-  // queries (row-major, row stride query_tile), per query lane q:
-  //   m' = max(m, max_j s[j][q]); s[j][q] = exp(s[j][q] - m');
-  //   alpha[q] = exp(m - m'); l = alpha l + sum_j s[j][q]; m = m'
+  // queries (row-major, row stride query_tile), in base 2 (scores already
+  // multiplied by log2(e)), per query lane q:
+  //   m' = max(m, max_j s[j][q]); s[j][q] = 2^(s[j][q] - m');
+  //   alpha[q] = 2^(m - m'); l = alpha l + sum_j s[j][q]; m = m'
   // with the rules of attention/softmax_rules.h for -inf and NaN.
   void (*softmax_tile)(T* s, int64_t rows, T* m, T* l, T* alpha);
 

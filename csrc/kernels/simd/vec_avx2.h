@@ -84,6 +84,22 @@ struct Avx2F32 {
     const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2);
   }
+  static V exp2(V x) {
+    using C = Exp2Constants<T>;
+    // n in [-160, 130], applied as 2^(n/2) * 2^(n - n/2) as in exp.
+    x = _mm256_min_ps(set1(130.0f), _mm256_max_ps(set1(-160.0f), x));
+    const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm256_sub_ps(x, n);
+    V p = set1(C::kPoly[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, r, set1(C::kPoly[k]));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1);
+    const __m256i n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const V scale1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2);
+  }
 };
 
 struct Avx2F64 {
@@ -131,6 +147,23 @@ struct Avx2F64 {
     r = _mm256_fnmadd_pd(n, set1(C::kLn2Lo), r);
     V p = set1(C::kTaylor[C::kDegree]);
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_pd(p, r, set1(C::kTaylor[k]));
+    const __m128i ni = _mm256_cvtpd_epi32(n);
+    const __m128i n1 = _mm_srai_epi32(ni, 1);
+    const __m128i n2 = _mm_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi64x(1023);
+    const V scale1 = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), bias), 52));
+    const V scale2 = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), bias), 52));
+    return _mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2);
+  }
+  static V exp2(V x) {
+    using C = Exp2Constants<T>;
+    x = _mm256_min_pd(set1(1100.0), _mm256_max_pd(set1(-1100.0), x));
+    const V n = _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm256_sub_pd(x, n);
+    V p = set1(C::kPoly[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_pd(p, r, set1(C::kPoly[k]));
     const __m128i ni = _mm256_cvtpd_epi32(n);
     const __m128i n1 = _mm_srai_epi32(ni, 1);
     const __m128i n2 = _mm_sub_epi32(ni, n1);

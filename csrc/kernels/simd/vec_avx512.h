@@ -56,6 +56,16 @@ struct Avx512F32 {
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kTaylor[k]));
     return _mm512_scalef_ps(p, n);
   }
+  static V exp2(V x) {
+    using C = Exp2Constants<T>;
+    // 2^-160 scales to an exact 0 and 2^130 to +inf; NaN passes through.
+    x = _mm512_min_ps(set1(130.0f), _mm512_max_ps(set1(-160.0f), x));
+    const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm512_sub_ps(x, n);
+    V p = set1(C::kPoly[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kPoly[k]));
+    return _mm512_scalef_ps(p, n);
+  }
 };
 
 struct Avx512F64 {
@@ -93,6 +103,15 @@ struct Avx512F64 {
     r = _mm512_fnmadd_pd(n, set1(C::kLn2Lo), r);
     V p = set1(C::kTaylor[C::kDegree]);
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kTaylor[k]));
+    return _mm512_scalef_pd(p, n);
+  }
+  static V exp2(V x) {
+    using C = Exp2Constants<T>;
+    x = _mm512_min_pd(set1(1100.0), _mm512_max_pd(set1(-1100.0), x));
+    const V n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm512_sub_pd(x, n);
+    V p = set1(C::kPoly[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kPoly[k]));
     return _mm512_scalef_pd(p, n);
   }
 };

@@ -76,6 +76,9 @@ struct Portable {
   static V exp(V x) {
     return map([&](int i) { return std::exp(x.lane[i]); });
   }
+  static V exp2(V x) {
+    return map([&](int i) { return std::exp2(x.lane[i]); });
+  }
 };
 
 }  // namespace
