@@ -14,9 +14,6 @@ namespace attnx {
 template <typename T>
 constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
-template <typename T>
-constexpr T kLog2e = T(1.4426950408889634073599246810018921L);
-
 // Running maximum that ignores NaN (a NaN score then yields a NaN
 // probability through exp, which is what propagates it).
 template <typename T>

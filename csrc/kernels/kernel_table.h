@@ -31,10 +31,9 @@ struct KernelTable {
                const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init, const T* init_values);
 
   // One online-softmax step over a score tile s of `rows` keys x query_tile
-  // queries (row-major, row stride query_tile), in base 2 (scores already
-  // multiplied by log2(e)), per query lane q:
-  //   m' = max(m, max_j s[j][q]); s[j][q] = 2^(s[j][q] - m');
-  //   alpha[q] = 2^(m - m'); l = alpha l + sum_j s[j][q]; m = m'
+  // queries (row-major, row stride query_tile), per query lane q:
+  //   m' = max(m, max_j s[j][q]); s[j][q] = exp(s[j][q] - m');
+  //   alpha[q] = exp(m - m'); l = alpha l + sum_j s[j][q]; m = m'
   // with the rules of attention/softmax_rules.h for -inf and NaN.
   void (*softmax_tile)(T* s, int64_t rows, T* m, T* l, T* alpha);
 
@@ -51,6 +50,10 @@ struct KernelTable {
   void (*scale)(T* y, int64_t n, T alpha);
   // Whether x[0..n) holds no NaN or infinity.
   bool (*all_finite)(const T* x, int64_t n);
+  // dst[c * lanes + r] = scale * src[r * ld + c] for r < rows, c < cols, and
+  // 0 for rows <= r < lanes; lanes is a multiple of the vector width.
+  void (*pack_transposed)(const T* src, int64_t ld, int64_t rows, int64_t cols, T scale, T* dst,
+                          int64_t lanes);
 };
 
 const KernelTable<float>& scalar_kernels_f32();

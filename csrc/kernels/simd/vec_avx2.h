@@ -100,6 +100,27 @@ struct Avx2F32 {
     const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2);
   }
+  // In-register transpose of 8 rows of 8.
+  static void transpose(V (&r)[8]) {
+    V t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // u[4g + c], 128-bit lane L: column 4L + c of rows 4g..4g+3.
+    for (int i = 0; i < 8; i += 4) {
+      const __m256d a = _mm256_castps_pd(t[i]), b = _mm256_castps_pd(t[i + 1]);
+      const __m256d c = _mm256_castps_pd(t[i + 2]), d = _mm256_castps_pd(t[i + 3]);
+      u[i] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, c));
+      u[i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, c));
+      u[i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(b, d));
+      u[i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(b, d));
+    }
+    for (int c = 0; c < 4; ++c) {
+      r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+      r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+  }
 };
 
 struct Avx2F64 {
@@ -173,6 +194,18 @@ struct Avx2F64 {
     const V scale2 = _mm256_castsi256_pd(
         _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), bias), 52));
     return _mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2);
+  }
+  // In-register transpose of 4 rows of 4.
+  static void transpose(V (&r)[4]) {
+    V t[4];
+    for (int i = 0; i < 4; i += 2) {  // t[2g + c], lane L: column 2L + c of rows 2g, 2g+1
+      t[i] = _mm256_unpacklo_pd(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_pd(r[i], r[i + 1]);
+    }
+    for (int c = 0; c < 2; ++c) {
+      r[c] = _mm256_permute2f128_pd(t[c], t[2 + c], 0x20);
+      r[2 + c] = _mm256_permute2f128_pd(t[c], t[2 + c], 0x31);
+    }
   }
 };
 
