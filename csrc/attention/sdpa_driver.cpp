@@ -314,11 +314,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   T* p_row = alpha + qt;            // key_block
 
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
-  std::fill(q_t, q_t + E * qt, T(0));
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* q = a.query.at(b, h, i0 + r);
-    for (int64_t e = 0; e < E; ++e) q_t[e * qt + r] = q[e] * a.scale;
-  }
+  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
   std::fill(o, o + qt * Ev, T(0));
   std::fill(m, m + qt, kNegInf<T>);
   std::fill(l, l + qt, T(0));
@@ -366,9 +362,8 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     if (!open[r]) {
       std::fill(out, out + Ev, T(0));
     } else {
-      const T inv = T(1) / l[r];
-      const T* o_r = o + r * Ev;
-      for (int64_t d = 0; d < Ev; ++d) out[d] = o_r[d] * inv;
+      std::copy_n(o + r * Ev, Ev, out);
+      kt.scale(out, Ev, T(1) / l[r]);
     }
   }
 }

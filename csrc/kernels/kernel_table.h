@@ -50,6 +50,10 @@ struct KernelTable {
   void (*scale)(T* y, int64_t n, T alpha);
   // Whether x[0..n) holds no NaN or infinity.
   bool (*all_finite)(const T* x, int64_t n);
+  // dst[c * lanes + r] = scale * src[r * ld + c] for r < rows, c < cols, and
+  // 0 for rows <= r < lanes; lanes is a multiple of the vector width.
+  void (*pack_transposed)(const T* src, int64_t ld, int64_t rows, int64_t cols, T scale, T* dst,
+                          int64_t lanes);
 };
 
 const KernelTable<float>& scalar_kernels_f32();

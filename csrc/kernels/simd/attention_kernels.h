@@ -68,6 +68,7 @@ struct Kernels {
       }
     }
     // Step 2: rank-1 updates, one per k: broadcast A(m, k), multiply-add B row k.
+#pragma GCC unroll 4
     for (int64_t k = 0; k < K; ++k) {
       const T* bk = b + k * ldb;
       const V b0 = kFullWidth ? Vec::load(bk) : Vec::load_partial(bk, n0);
@@ -128,6 +129,9 @@ struct Kernels {
   }
 
   // ---- online softmax over a (keys x QT queries) tile --------------------
+  // e^(s - m) is computed as 2^((s - m) log2 e): the difference is taken
+  // first, in natural units, so a large mask value added to the scores
+  // (-1e4 is common) costs no precision; exp2 then needs no range reduction.
   static void softmax_tile(T* s, int64_t rows, T* m, T* l, T* alpha) {
     for (int v = 0; v < kPanelVectors; ++v) {
       const int lane0 = v * W;
@@ -139,15 +143,16 @@ struct Kernels {
       const V m_new = Vec::max_ignoring_nan(m_old, block_max);
       // Step 2: exponentiate against it, summing; 0 replaces a -inf max.
       const V shift = Vec::exp_shift(m_new);
+      const V log2e = Vec::set1(T(1.4426950408889634073599246810018921L));
       V sum = Vec::zero();
       for (int64_t j = 0; j < rows; ++j) {
         T* sj = s + j * QT + lane0;
-        const V p = Vec::exp(Vec::sub(Vec::load(sj), shift));
+        const V p = Vec::exp2(Vec::mul(Vec::sub(Vec::load(sj), shift), log2e));
         Vec::store(sj, p);
         sum = Vec::add(sum, p);
       }
       // Step 3: rescale factor of what was accumulated, and the new sums.
-      const V a = Vec::exp(Vec::sub(m_old, shift));
+      const V a = Vec::exp2(Vec::mul(Vec::sub(m_old, shift), log2e));
       Vec::store(alpha + lane0, a);
       Vec::store(l + lane0, Vec::fmadd(a, Vec::load(l + lane0), sum));
       Vec::store(m + lane0, m_new);
@@ -265,6 +270,28 @@ struct Kernels {
     }
   }
 
+  // dst[c * lanes + r] = scale * src[r * ld + c] for r < rows, c < cols, and
+  // 0 for rows <= r < lanes (a multiple of W): W x W blocks transposed in
+  // registers.
+  static void pack_transposed(const T* src, int64_t ld, int64_t rows, int64_t cols, T scale,
+                              T* dst, int64_t lanes) {
+    const V s = Vec::set1(scale);
+    for (int64_t r0 = 0; r0 < lanes; r0 += W) {
+      for (int64_t c0 = 0; c0 < cols; c0 += W) {
+        const int width = static_cast<int>(min64(W, cols - c0));
+        V block[W];
+        for (int i = 0; i < W; ++i)
+          block[i] = r0 + i < rows
+                         ? Vec::mul(width == W ? Vec::load(src + (r0 + i) * ld + c0)
+                                               : Vec::load_partial(src + (r0 + i) * ld + c0, width),
+                                    s)
+                         : Vec::zero();
+        Vec::transpose(block);
+        for (int i = 0; i < width; ++i) Vec::store(dst + (c0 + i) * lanes + r0, block[i]);
+      }
+    }
+  }
+
   static bool all_finite(const T* x, int64_t n) {
     // x * 0 is 0 for a finite x and NaN for NaN and +-inf.
     V probe = Vec::zero();
@@ -278,7 +305,8 @@ struct Kernels {
   static KernelTable<T> table(const char* name, Isa isa) {
     return KernelTable<T>{name,   isa,          QT,     NR,
                           gemm,   softmax_tile, scores, accumulate_pv,
-                          exp_shift_sum, scale,        all_finite};
+                          exp_shift_sum, scale,        all_finite,
+                          pack_transposed};
   }
 };
 

@@ -84,6 +84,43 @@ struct Avx2F32 {
     const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2);
   }
+  static V exp2(V x) {
+    using C = Exp2Constants<T>;
+    // n in [-160, 130], applied as 2^(n/2) * 2^(n - n/2) as in exp.
+    x = _mm256_min_ps(set1(130.0f), _mm256_max_ps(set1(-160.0f), x));
+    const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm256_sub_ps(x, n);
+    V p = set1(C::kPoly[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, r, set1(C::kPoly[k]));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1);
+    const __m256i n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const V scale1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2);
+  }
+  // In-register transpose of 8 rows of 8.
+  static void transpose(V (&r)[8]) {
+    V t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // u[4g + c], 128-bit lane L: column 4L + c of rows 4g..4g+3.
+    for (int i = 0; i < 8; i += 4) {
+      const __m256d a = _mm256_castps_pd(t[i]), b = _mm256_castps_pd(t[i + 1]);
+      const __m256d c = _mm256_castps_pd(t[i + 2]), d = _mm256_castps_pd(t[i + 3]);
+      u[i] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, c));
+      u[i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, c));
+      u[i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(b, d));
+      u[i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(b, d));
+    }
+    for (int c = 0; c < 4; ++c) {
+      r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+      r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+  }
 };
 
 struct Avx2F64 {
@@ -140,6 +177,35 @@ struct Avx2F64 {
     const V scale2 = _mm256_castsi256_pd(
         _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), bias), 52));
     return _mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2);
+  }
+  static V exp2(V x) {
+    using C = Exp2Constants<T>;
+    x = _mm256_min_pd(set1(1100.0), _mm256_max_pd(set1(-1100.0), x));
+    const V n = _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm256_sub_pd(x, n);
+    V p = set1(C::kPoly[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_pd(p, r, set1(C::kPoly[k]));
+    const __m128i ni = _mm256_cvtpd_epi32(n);
+    const __m128i n1 = _mm_srai_epi32(ni, 1);
+    const __m128i n2 = _mm_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi64x(1023);
+    const V scale1 = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), bias), 52));
+    const V scale2 = _mm256_castsi256_pd(
+        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), bias), 52));
+    return _mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2);
+  }
+  // In-register transpose of 4 rows of 4.
+  static void transpose(V (&r)[4]) {
+    V t[4];
+    for (int i = 0; i < 4; i += 2) {  // t[2g + c], lane L: column 2L + c of rows 2g, 2g+1
+      t[i] = _mm256_unpacklo_pd(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_pd(r[i], r[i + 1]);
+    }
+    for (int c = 0; c < 2; ++c) {
+      r[c] = _mm256_permute2f128_pd(t[c], t[2 + c], 0x20);
+      r[2 + c] = _mm256_permute2f128_pd(t[c], t[2 + c], 0x31);
+    }
   }
 };
 

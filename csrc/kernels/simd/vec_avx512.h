@@ -56,6 +56,44 @@ struct Avx512F32 {
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kTaylor[k]));
     return _mm512_scalef_ps(p, n);
   }
+  static V exp2(V x) {
+    using C = Exp2Constants<T>;
+    // 2^-160 scales to an exact 0 and 2^130 to +inf; NaN passes through.
+    x = _mm512_min_ps(set1(130.0f), _mm512_max_ps(set1(-160.0f), x));
+    const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm512_sub_ps(x, n);
+    V p = set1(C::kPoly[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kPoly[k]));
+    return _mm512_scalef_ps(p, n);
+  }
+  // In-register transpose of 16 rows of 16: r[i][j] <- r[j][i].
+  static void transpose(V (&r)[16]) {
+    V t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {  // pairs of rows, per 128-bit lane
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // u[4g + c], 128-bit lane L: column 4L + c of rows 4g..4g+3.
+    for (int i = 0; i < 16; i += 4) {
+      const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+      const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+      u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+      u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+      u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+      u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    // Gather lane L of u[c], u[4 + c], u[8 + c], u[12 + c] into row 4L + c.
+    for (int c = 0; c < 4; ++c) {
+      const V even01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+      const V odd01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
+      const V even23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+      const V odd23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+      r[c] = _mm512_shuffle_f32x4(even01, even23, 0x88);
+      r[8 + c] = _mm512_shuffle_f32x4(even01, even23, 0xdd);
+      r[4 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0x88);
+      r[12 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0xdd);
+    }
+  }
 };
 
 struct Avx512F64 {
@@ -94,6 +132,33 @@ struct Avx512F64 {
     V p = set1(C::kTaylor[C::kDegree]);
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kTaylor[k]));
     return _mm512_scalef_pd(p, n);
+  }
+  static V exp2(V x) {
+    using C = Exp2Constants<T>;
+    x = _mm512_min_pd(set1(1100.0), _mm512_max_pd(set1(-1100.0), x));
+    const V n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm512_sub_pd(x, n);
+    V p = set1(C::kPoly[C::kDegree]);
+    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kPoly[k]));
+    return _mm512_scalef_pd(p, n);
+  }
+  // In-register transpose of 8 rows of 8.
+  static void transpose(V (&r)[8]) {
+    V t[8];
+    for (int i = 0; i < 8; i += 2) {  // t[2g + c], 128-bit lane L: column 2L + c of rows 2g, 2g+1
+      t[i] = _mm512_unpacklo_pd(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_pd(r[i], r[i + 1]);
+    }
+    for (int c = 0; c < 2; ++c) {
+      const V even01 = _mm512_shuffle_f64x2(t[c], t[2 + c], 0x88);
+      const V odd01 = _mm512_shuffle_f64x2(t[c], t[2 + c], 0xdd);
+      const V even23 = _mm512_shuffle_f64x2(t[4 + c], t[6 + c], 0x88);
+      const V odd23 = _mm512_shuffle_f64x2(t[4 + c], t[6 + c], 0xdd);
+      r[c] = _mm512_shuffle_f64x2(even01, even23, 0x88);
+      r[4 + c] = _mm512_shuffle_f64x2(even01, even23, 0xdd);
+      r[2 + c] = _mm512_shuffle_f64x2(odd01, odd23, 0x88);
+      r[6 + c] = _mm512_shuffle_f64x2(odd01, odd23, 0xdd);
+    }
   }
 };
 

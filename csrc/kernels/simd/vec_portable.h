@@ -76,6 +76,17 @@ struct Portable {
   static V exp(V x) {
     return map([&](int i) { return std::exp(x.lane[i]); });
   }
+  static V exp2(V x) {
+    return map([&](int i) { return std::exp2(x.lane[i]); });
+  }
+  static void transpose(V (&r)[W]) {
+    for (int i = 0; i < W; ++i)
+      for (int j = i + 1; j < W; ++j) {
+        const T x = r[i].lane[j];
+        r[i].lane[j] = r[j].lane[i];
+        r[j].lane[i] = x;
+      }
+  }
 };
 
 }  // namespace
