@@ -20,6 +20,7 @@
 // Each output row is computed by one thread in a fixed order, so results do
 // not depend on the thread count.
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "attention/softmax_rules.h"
@@ -370,6 +371,19 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
 
 }  // namespace
 
+// Scratch memory of the calling thread, uninitialised, kept between calls
+// (it only grows): a small call pays neither an allocation nor a fill.
+template <typename T>
+T* calling_thread_scratch(size_t size) {
+  thread_local std::unique_ptr<T[]> buffer;
+  thread_local size_t capacity = 0;
+  if (size > capacity) {
+    buffer.reset(new T[size]);
+    capacity = size;
+  }
+  return buffer.get();
+}
+
 template <typename T>
 void sdpa_forward(const SdpaArgs<T>& a) {
   const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
@@ -394,13 +408,13 @@ void sdpa_forward(const SdpaArgs<T>& a) {
             : a.weights ? 0 : size_t(kQueryBlock * (kKeyBlock + Ev + 2));
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
-  std::vector<T> scratch(size_t(nthreads) * scratch_per_thread);
+  T* scratch = calling_thread_scratch<T>(size_t(nthreads) * scratch_per_thread);
   const int64_t state_size = Ev + 3;
   std::vector<T> states(chunks > 1 ? size_t(B * Hq * L * chunks * state_size) : 0);
 
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
-    T* my_scratch = scratch.data() + current_thread() * scratch_per_thread;
+    T* my_scratch = scratch + current_thread() * scratch_per_thread;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t c = t % chunks, qb = (t / chunks) % q_blocks, bh = t / (chunks * q_blocks);
