@@ -1,9 +1,9 @@
 // The projections of multi-head attention: y = x . w^T + bias.
 //
-//   pack w^T in panels of NR columns     (in x NR each, zero-padded)
+//   pack w^T in panels of 2 NR columns   (in x 2NR each, zero-padded)
 //   (for at most NR rows, y^T = w . x^T instead, packing the small x^T)
 //   parallel for each (batch, block of rows, panel):
-//     y[rows, panel] = bias[panel] + x[rows, :] . panel     (the kernel's gemm)
+//     y[rows, panel] = bias[panel] + x[rows, :] . panel     (the kernel's gemm_wide)
 //
 // Packing makes each panel's rows contiguous, so the register-blocked gemm
 // streams it while broadcasting x. Every output value is accumulated over
@@ -46,24 +46,28 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     }
     return;
   }
-  const int64_t panels = (out + nr - 1) / nr;
+  // Many rows: panels for the wide register tile (half the rows, twice the
+  // columns: fewer loads per multiply-add).
+  const int64_t wide = 2 * nr;
+  const int64_t panels = (out + wide - 1) / wide;
 
-  // Pack: panel p holds w^T[:, p*nr : (p+1)*nr] row-major (in x nr). Copied
-  // in 16-row slices of w^T, so that each slice of the panel (16 x nr) stays
-  // in L1 while the weight rows are read contiguously.
-  std::unique_ptr<T[]> packed(new T[size_t(panels * in * nr)]);
+  // Pack: panel p holds w^T[:, p*wide : (p+1)*wide] row-major (in x wide).
+  // Copied in 16-row slices of w^T, so that each slice of the panel stays in
+  // L1 while the weight rows are read contiguously.
+  std::unique_ptr<T[]> packed(new T[size_t(panels * in * wide)]);
   const int pack_threads = threads_for(double(in) * double(out) * 8);
 #pragma omp parallel for schedule(static) num_threads(pack_threads) if (pack_threads > 1)
   for (int64_t p = 0; p < panels; ++p) {
-    T* panel = packed.get() + p * in * nr;
-    const int64_t cols = std::min(nr, out - p * nr);
+    T* panel = packed.get() + p * in * wide;
+    const int64_t cols = std::min(wide, out - p * wide);
     for (int64_t i0 = 0; i0 < in; i0 += 16) {
       const int64_t i1 = std::min(in, i0 + 16);
       for (int64_t c = 0; c < cols; ++c) {
-        const T* wo = w.row(p * nr + c);
-        for (int64_t i = i0; i < i1; ++i) panel[i * nr + c] = wo[i];
+        const T* wo = w.row(p * wide + c);
+        for (int64_t i = i0; i < i1; ++i) panel[i * wide + c] = wo[i];
       }
-      for (int64_t i = i0; i < i1; ++i) std::fill(panel + i * nr + cols, panel + (i + 1) * nr, T(0));
+      for (int64_t i = i0; i < i1; ++i)
+        std::fill(panel + i * wide + cols, panel + (i + 1) * wide, T(0));
     }
   }
 
@@ -75,10 +79,10 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     const int64_t p = t % panels, nb = t / panels;
     const int64_t n = nb / row_blocks, l0 = (nb % row_blocks) * kRowBlock;
     const int64_t rows = std::min(kRowBlock, L - l0);
-    const int64_t cols = std::min(nr, out - p * nr);
-    kt.gemm(rows, cols, in, x.at(n, l0), x.stride[1], 1, packed.get() + p * in * nr, nr,
-            y.at(n, l0) + p * nr, y.stride[1], bias ? GemmInit::kBiasColumns : GemmInit::kZero,
-            bias ? bias + p * nr : nullptr);
+    const int64_t cols = std::min(wide, out - p * wide);
+    kt.gemm_wide(rows, cols, in, x.at(n, l0), x.stride[1], 1, packed.get() + p * in * wide,
+                 wide, y.at(n, l0) + p * wide, y.stride[1],
+                 bias ? GemmInit::kBiasColumns : GemmInit::kZero, bias ? bias + p * wide : nullptr);
   }
 }
 

@@ -54,6 +54,10 @@ struct KernelTable {
   // 0 for rows <= r < lanes; lanes is a multiple of the vector width.
   void (*pack_transposed)(const T* src, int64_t ld, int64_t rows, int64_t cols, T scale, T* dst,
                           int64_t lanes);
+  // gemm with a register tile of half the rows and twice the width.
+  void (*gemm_wide)(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row, int64_t a_col,
+                    const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init,
+                    const T* init_values);
 };
 
 const KernelTable<float>& scalar_kernels_f32();

@@ -33,37 +33,42 @@ struct Kernels {
   static constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
   // ---- gemm -------------------------------------------------------------
-  // One MR x NR register tile: C tile = init + A(MR rows) . B(K x NR).
+  // One MR x (NV * W) register tile: C tile = init + A(MR rows) . B(K x NV*W).
   // The accumulators are plain locals, never address-taken, so that they
   // stay in registers through the k loop.
-  template <int MR, bool kFullWidth>
+  template <int MR, int NV, bool kFullWidth>
   static void gemm_tile(int64_t K, const T* a, int64_t a_row, int64_t a_col, const T* b,
                         int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
                         const T* init_values) {
-    // Lanes of the two vectors of a (possibly partial) row of the tile.
-    const int n0 = kFullWidth ? W : imin(n, W);
-    const int n1 = kFullWidth ? W : imax(n - W, 0);
-    V c0[MR], c1[MR];
+    // Lanes of each vector of a (possibly partial) row of the tile.
+    int len[NV];
+    for (int v = 0; v < NV; ++v) len[v] = kFullWidth ? W : imax(imin(n - v * W, W), 0);
+    auto load_row = [len](const T* p, int v) {
+      return kFullWidth ? Vec::load(p + v * W)
+                        : (len[v] ? Vec::load_partial(p + v * W, len[v]) : Vec::zero());
+    };
+    V acc[MR][NV];
     // Step 1: initialise the accumulators.
     if (init == GemmInit::kBiasColumns) {
-      const V lo = kFullWidth ? Vec::load(init_values) : Vec::load_partial(init_values, n0);
-      const V hi = kFullWidth ? Vec::load(init_values + W)
-                              : (n1 ? Vec::load_partial(init_values + W, n1) : Vec::zero());
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const V bias = load_row(init_values, v);
 #pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) c0[m] = lo, c1[m] = hi;
+        for (int m = 0; m < MR; ++m) acc[m][v] = bias;
+      }
     } else if (init == GemmInit::kZero) {
 #pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) c0[m] = Vec::zero(), c1[m] = Vec::zero();
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
     } else {
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        const T* cm = c + m * ldc;
-        c0[m] = kFullWidth ? Vec::load(cm) : Vec::load_partial(cm, n0);
-        c1[m] = kFullWidth ? Vec::load(cm + W)
-                           : (n1 ? Vec::load_partial(cm + W, n1) : Vec::zero());
-        if (init == GemmInit::kScaleRows) {
-          const V s = Vec::set1(init_values[m]);
-          c0[m] = Vec::mul(c0[m], s), c1[m] = Vec::mul(c1[m], s);
+        const V s = init == GemmInit::kScaleRows ? Vec::set1(init_values[m]) : Vec::set1(T(1));
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          acc[m][v] = load_row(c + m * ldc, v);
+          if (init == GemmInit::kScaleRows) acc[m][v] = Vec::mul(acc[m][v], s);
         }
       }
     }
@@ -71,61 +76,80 @@ struct Kernels {
 #pragma GCC unroll 4
     for (int64_t k = 0; k < K; ++k) {
       const T* bk = b + k * ldb;
-      const V b0 = kFullWidth ? Vec::load(bk) : Vec::load_partial(bk, n0);
-      const V b1 = kFullWidth ? Vec::load(bk + W)
-                              : (n1 ? Vec::load_partial(bk + W, n1) : Vec::zero());
+      V bv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
       const T* ak = a + k * a_col;
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         const V am = Vec::set1(ak[m * a_row]);
-        c0[m] = Vec::fmadd(am, b0, c0[m]);
-        c1[m] = Vec::fmadd(am, b1, c1[m]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[m][v] = Vec::fmadd(am, bv[v], acc[m][v]);
       }
     }
     // Step 3: store.
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       T* cm = c + m * ldc;
-      if (kFullWidth) {
-        Vec::store(cm, c0[m]), Vec::store(cm + W, c1[m]);
-      } else {
-        Vec::store_partial(cm, c0[m], n0);
-        if (n1) Vec::store_partial(cm + W, c1[m], n1);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        if (kFullWidth)
+          Vec::store(cm + v * W, acc[m][v]);
+        else if (len[v])
+          Vec::store_partial(cm + v * W, acc[m][v], len[v]);
       }
     }
   }
 
   // The tile for the last `rows` < MR rows: recurse down to that count.
-  template <int MR, bool kFullWidth>
+  template <int MR, int NV, bool kFullWidth>
   static void gemm_rows(int rows, int64_t K, const T* a, int64_t a_row, int64_t a_col,
                         const T* b, int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
                         const T* init_values) {
     if constexpr (MR > 1) {
       if (rows < MR)
-        return gemm_rows<MR - 1, kFullWidth>(rows, K, a, a_row, a_col, b, ldb, c, ldc, n, init,
-                                             init_values);
+        return gemm_rows<MR - 1, NV, kFullWidth>(rows, K, a, a_row, a_col, b, ldb, c, ldc, n,
+                                                 init, init_values);
     }
-    gemm_tile<MR, kFullWidth>(K, a, a_row, a_col, b, ldb, c, ldc, n, init, init_values);
+    gemm_tile<MR, NV, kFullWidth>(K, a, a_row, a_col, b, ldb, c, ldc, n, init, init_values);
+  }
+
+  // gemm over panels NV vectors wide, MR rows at a time.
+  template <int MR, int NV>
+  static void gemm_panels(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row,
+                          int64_t a_col, const T* b, int64_t ldb, T* c, int64_t ldc,
+                          GemmInit init, const T* init_values) {
+    constexpr int kWidth = NV * W;
+    for (int64_t n0 = 0; n0 < N; n0 += kWidth) {
+      const int n = static_cast<int>(min64(kWidth, N - n0));
+      const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = static_cast<int>(min64(MR, M - m0));
+        const T* init_m = init == GemmInit::kScaleRows ? init_values + m0 : init_n;
+        if (n == kWidth)
+          gemm_rows<MR, NV, true>(rows, K, a + m0 * a_row, a_row, a_col, b + n0, ldb,
+                                  c + m0 * ldc + n0, ldc, n, init, init_m);
+        else
+          gemm_rows<MR, NV, false>(rows, K, a + m0 * a_row, a_row, a_col, b + n0, ldb,
+                                   c + m0 * ldc + n0, ldc, n, init, init_m);
+      }
+    }
   }
 
   static void gemm(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row, int64_t a_col,
                    const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init,
                    const T* init_values) {
-    constexpr int MR = Vec::kGemmRows;
-    for (int64_t n0 = 0; n0 < N; n0 += NR) {
-      const int n = static_cast<int>(min64(NR, N - n0));
-      const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int rows = static_cast<int>(min64(MR, M - m0));
-        const T* init_m = init == GemmInit::kScaleRows ? init_values + m0 : init_n;
-        if (n == NR)
-          gemm_rows<MR, true>(rows, K, a + m0 * a_row, a_row, a_col, b + n0, ldb,
-                              c + m0 * ldc + n0, ldc, n, init, init_m);
-        else
-          gemm_rows<MR, false>(rows, K, a + m0 * a_row, a_row, a_col, b + n0, ldb,
-                               c + m0 * ldc + n0, ldc, n, init, init_m);
-      }
-    }
+    gemm_panels<Vec::kGemmRows, kPanelVectors>(M, N, K, a, a_row, a_col, b, ldb, c, ldc, init,
+                                               init_values);
+  }
+
+  // The same with 4-vector panels and half the rows: fewer loads per
+  // multiply-add, for a B that is wide and contiguous.
+  static void gemm_wide(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row,
+                        int64_t a_col, const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init,
+                        const T* init_values) {
+    gemm_panels<Vec::kGemmRows / 2, 2 * kPanelVectors>(M, N, K, a, a_row, a_col, b, ldb, c, ldc,
+                                                       init, init_values);
   }
 
   // ---- online softmax over a (keys x QT queries) tile --------------------
@@ -306,7 +330,7 @@ struct Kernels {
     return KernelTable<T>{name,   isa,          QT,     NR,
                           gemm,   softmax_tile, scores, accumulate_pv,
                           exp_shift_sum, scale,        all_finite,
-                          pack_transposed};
+                          pack_transposed, gemm_wide};
   }
 };
 
