@@ -1,4 +1,19 @@
-"""attnx: fast, PyTorch-compatible multi-head attention for NumPy on the CPU."""
+"""attnx: fast, PyTorch-compatible multi-head attention for NumPy on the CPU.
+
+Functions
+---------
+scaled_dot_product_attention
+    ``torch.nn.functional.scaled_dot_product_attention`` for NumPy arrays.
+multi_head_attention_forward
+    ``torch.nn.functional.multi_head_attention_forward`` for NumPy arrays.
+MultiheadAttention
+    ``torch.nn.MultiheadAttention`` (inference) with torch's parameter names
+    and state_dict keys.
+set_num_threads, get_num_threads, show_config
+    Threads, the SIMD kernel in use, and how this attnx was built.
+reference
+    The plain-NumPy oracle the tests check against (imported on first use).
+"""
 
 try:
     from . import _core
@@ -9,7 +24,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "and do not run Python from inside the source tree's python/ folder."
     ) from exc
 
-from . import reference
 from ._runtime import _select_isa_from_environment, get_num_threads, set_num_threads, show_config
 from .functional import multi_head_attention_forward, scaled_dot_product_attention
 from .modules import MultiheadAttention
@@ -27,3 +41,22 @@ __all__ = [
     "set_num_threads",
     "show_config",
 ]
+
+# Submodules imported on first use rather than with attnx (keeps `import attnx`
+# short): `attnx.reference.X`, `from attnx import reference` and
+# `import attnx.reference` all work.
+_LAZY_SUBMODULES = ("reference",)
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        # Importing the submodule also binds it as an attribute of this package,
+        # so this runs once per name.
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

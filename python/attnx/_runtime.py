@@ -23,13 +23,25 @@ def set_num_threads(n: int) -> None:
         At least 1. Until this is called, attnx follows OpenMP's setting for
         the calling thread: ``OMP_NUM_THREADS``, or a limit set with
         ``threadpoolctl.threadpool_limits``. Once called, ``n`` applies to
-        every thread of the process.
+        every thread of the process. In a build without OpenMP the count is
+        kept (and reported) but the kernels run on one thread.
     """
     _core.set_num_threads(as_positive_int(n, "n"))
 
 
 def get_num_threads() -> int:
-    """The number of threads attnx's kernels use."""
+    """The number of threads attnx's kernels use.
+
+    Returns
+    -------
+    int
+        The count given to :func:`set_num_threads`, or, until that is called,
+        OpenMP's setting for the calling thread (``omp_get_max_threads()``:
+        ``OMP_NUM_THREADS``, the number of cores, or a
+        ``threadpoolctl.threadpool_limits`` in force); 1 in a build without
+        OpenMP. Small calls run on one thread whatever this says, and so does
+        every call in a build without OpenMP (``show_config()["openmp"]``).
+    """
     return _core.get_num_threads()
 
 
