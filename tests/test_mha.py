@@ -776,3 +776,25 @@ def test_random_combinations(seed, N, H, head_dim, L, S, kdim, attn, attn_rank, 
     assert np.isfinite(out).all()
     if need_weights:
         assert np.isfinite(w).all()
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_output_projection_may_change_the_width(rng, batch_first):
+    # torch's functional accepts out_proj_weight of shape (E_out, E).
+    torch = pytest.importorskip("torch")
+    E, H, E_out, L, S, N = 8, 2, 5, 4, 6, 3
+    x = rng.standard_normal((L, N, E))
+    kv = rng.standard_normal((S, N, E))
+    w, b = rng.standard_normal((3 * E, E)), rng.standard_normal(3 * E)
+    wo, bo = rng.standard_normal((E_out, E)), rng.standard_normal(E_out)
+    args = (E, H, w, b, None, None, False, 0.0, wo, bo)
+    got, weights = attnx.multi_head_attention_forward(
+        *((x, kv, kv) if not batch_first else (x.transpose(1, 0, 2), kv.transpose(1, 0, 2), kv.transpose(1, 0, 2))),
+        *args, batch_first=batch_first)
+    T = torch.from_numpy
+    want, want_w = torch.nn.functional.multi_head_attention_forward(
+        T(x), T(kv), T(kv), E, H, T(w), T(b), None, None, False, 0.0, T(wo), T(bo), training=False)
+    want = want.numpy().transpose(1, 0, 2) if batch_first else want.numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(weights, want_w.numpy(), rtol=1e-12, atol=1e-12)

@@ -142,11 +142,11 @@ void mha_typed(int64_t num_heads, const py::array& query, const py::array& key,
     throw py::value_error("k_proj_weight: wrong shape");
   if (a.w_v.rows != E || a.w_v.cols != a.value.shape[2])
     throw py::value_error("v_proj_weight: wrong shape");
-  if (a.w_out.rows != E || a.w_out.cols != E) throw py::value_error("out_proj_weight: wrong shape");
+  if (a.w_out.cols != E) throw py::value_error("out_proj_weight: wrong shape");
   a.b_q = vector_data<T>(b_q, "q bias", E);
   a.b_k = vector_data<T>(b_k, "k bias", E);
   a.b_v = vector_data<T>(b_v, "v bias", E);
-  a.b_out = vector_data<T>(b_out, "out_proj_bias", E);
+  a.b_out = vector_data<T>(b_out, "out_proj_bias", a.w_out.rows);  // E_out
   a.bias_k = vector_data<T>(bias_k, "bias_k", E);
   a.bias_v = vector_data<T>(bias_v, "bias_v", E);
   if (bool(a.bias_k) != bool(a.bias_v))
@@ -167,7 +167,7 @@ void mha_typed(int64_t num_heads, const py::array& query, const py::array& key,
     if (mask.present()) require_shape(mask, "mask", {N, H, L, S_k});
   a.causal = causal;
   a.out = mutable_view<T, 3>(out, "out");
-  require_shape(a.out, "out", {N, L, E});
+  require_shape(a.out, "out", {N, L, a.w_out.rows});
   const int64_t Sp = S_k + (a.bias_k ? 1 : 0) + (add_zero_attn ? 1 : 0);
   a.average_weights = average_weights;
   if (average_weights)

@@ -275,8 +275,9 @@ def multi_head_attention_forward(
         Append one all-zero key and value position.
     dropout_p : float
         Must be 0.0 unless ``training=False`` (attnx is an inference library).
-    out_proj_weight : array_like, shape (E, E)
-    out_proj_bias : array_like, shape (E,), or None
+    out_proj_weight : array_like, shape (E_out, E)
+        E_out is the output's width (E in ``nn.MultiheadAttention``).
+    out_proj_bias : array_like, shape (E_out,), or None
     training : bool
     key_padding_mask : array_like, shape (N, S), optional
         bool: True means the key is ignored; float: added to the scores.
@@ -299,7 +300,7 @@ def multi_head_attention_forward(
 
     Returns
     -------
-    attn_output : ndarray, shape (L, N, E) (or (N, L, E) / (L, E))
+    attn_output : ndarray, shape (L, N, E_out) (or (N, L, E_out) / (L, E_out))
     attn_weights : ndarray or None
         (N, L, S') averaged, or (N, num_heads, L, S'); None unless ``need_weights``.
         ``S'`` counts the bias_k and zero-attention positions.
@@ -378,8 +379,12 @@ def multi_head_attention_forward(
         b_q, b_k, b_v = b_in[:E], b_in[E : 2 * E], b_in[2 * E :]
     if out_proj_weight is None:
         raise ValueError("out_proj_weight is required")
-    w_out = _param(out_proj_weight, dtype, "out_proj_weight", (E, E))
-    b_out = None if out_proj_bias is None else _param(out_proj_bias, dtype, "out_proj_bias", (E,))
+    # As torch, the output projection may change the width: (E_out, E).
+    w_out = as_float(out_proj_weight, dtype, "out_proj_weight")
+    if w_out.ndim != 2 or w_out.shape[1] != E:
+        raise ValueError(f"out_proj_weight must have shape (E_out, {E}), got {shape_str(w_out.shape)}")
+    E_out = w_out.shape[0]
+    b_out = None if out_proj_bias is None else _param(out_proj_bias, dtype, "out_proj_bias", (E_out,))
 
     if (bias_k is None) != (bias_v is None):
         raise ValueError("bias_k and bias_v must both be given or both be None")
@@ -445,10 +450,10 @@ def multi_head_attention_forward(
         w_shape = (N, L, S_total) if average_attn_weights else (N, num_heads, L, S_total)
         weights = np.empty(w_shape, dtype)
     if batched and not batch_first:
-        out = np.empty((L, N, E), dtype)
+        out = np.empty((L, N, E_out), dtype)
         out_view = out.transpose(1, 0, 2)
     else:
-        out = out_view = np.empty((N, L, E), dtype)
+        out = out_view = np.empty((N, L, E_out), dtype)
 
     _core.mha(
         num_heads,

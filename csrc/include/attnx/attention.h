@@ -52,9 +52,9 @@ struct MhaArgs {
   StridedView<const T, 4> static_v;
   StridedView<const T, 4> masks[kMaxMasks];  // (N, H, L, S_src) additive
   bool causal = false;  // top-left over the S_src source keys
-  RowMajorView<const T> w_out;  // (E, E)
-  const T* b_out = nullptr;
-  StridedView<T, 3> out;  // (N, L, E), last dim contiguous
+  RowMajorView<const T> w_out;  // (E_out, E)
+  const T* b_out = nullptr;     // (E_out)
+  StridedView<T, 3> out;  // (N, L, E_out), last dim contiguous
   // Optional, C-contiguous: (N, L, S') averaged over heads or (N, H, L, S').
   T* weights = nullptr;
   bool average_weights = true;
