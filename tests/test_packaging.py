@@ -1,0 +1,241 @@
+"""What ships: typing files, docstrings of the public API, the stub of the extension, a light import.
+
+Run against an installed wheel (as CI does), the file checks check what the wheel installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import pathlib
+import pydoc
+import re
+import subprocess
+import sys
+
+import pytest
+
+import attnx
+import attnx._core as core
+
+PACKAGE = pathlib.Path(attnx.__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Typing files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_typing_files_ship_next_to_the_extension():
+    assert (PACKAGE / "py.typed").is_file()
+    assert (PACKAGE / "_core.pyi").is_file()
+    # The stub describes the extension that is actually imported.
+    assert pathlib.Path(core.__file__).resolve().parent == PACKAGE
+    assert pathlib.Path(core.__file__).name.startswith("_core.")
+
+
+def _stub_functions() -> dict:
+    """{name: ast.FunctionDef} of the stub's top-level functions."""
+    tree = ast.parse((PACKAGE / "_core.pyi").read_text())
+    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def _stub_attributes() -> dict:
+    tree = ast.parse((PACKAGE / "_core.pyi").read_text())
+    return {node.target.id: ast.unparse(node.annotation) for node in tree.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+
+def _split_top_level(text: str) -> list:
+    """Split ``a: x[b, c], d: e`` at the commas outside brackets."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    if current.strip():
+        parts.append(current.strip())
+    return parts
+
+
+def _extension_signature(function) -> tuple:
+    """(parameter names, return type) from pybind11's signature line, e.g. ``f(a: int) -> bool``."""
+    line = function.__doc__.splitlines()[0]
+    match = re.fullmatch(rf"{function.__name__}\((.*)\) -> (.+)", line)
+    assert match, f"unexpected pybind11 signature line: {line!r}"
+    names = [part.split(":")[0].strip() for part in _split_top_level(match.group(1))]
+    return names, match.group(2).strip()
+
+
+def _extension_functions() -> dict:
+    return {name: getattr(core, name) for name in dir(core)
+            if not name.startswith("__") and callable(getattr(core, name))}
+
+
+def test_stub_has_exactly_the_extensions_functions():
+    assert sorted(_stub_functions()) == sorted(_extension_functions())
+
+
+@pytest.mark.parametrize("name", sorted(_extension_functions()))
+def test_stub_signature_matches_the_extension(name):
+    stub = _stub_functions()[name]
+    names, returns = _extension_signature(_extension_functions()[name])
+    assert [arg.arg for arg in stub.args.args] == names
+    assert not stub.args.vararg and not stub.args.kwarg and not stub.args.kwonlyargs
+    # Plain return types must agree; pybind11 says `object` where the stub is more precise.
+    stub_returns = ast.unparse(stub.returns)
+    if returns in ("None", "bool", "int", "str", "float"):
+        assert stub_returns == returns
+    else:
+        assert returns == "object" or stub_returns != "None"
+
+
+def test_stub_attributes_exist():
+    attributes = _stub_attributes()
+    assert attributes == {"__version__": "str"}
+    assert isinstance(core.__version__, str) and core.__version__ == attnx.__version__
+
+
+# ---------------------------------------------------------------------------------------------
+# Docstrings (NumPy style)
+# ---------------------------------------------------------------------------------------------
+
+
+def _sections(doc: str) -> dict:
+    """{section title: body} of a NumPy-style docstring."""
+    parts = re.split(r"^([A-Z][A-Za-z ]*)\n-{3,}[ \t]*$", doc, flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def _entries(section: str) -> set:
+    """The names a Parameters section documents (``a, b : type`` lines at the margin)."""
+    names = set()
+    for line in section.splitlines():
+        match = re.match(r"^(\*{0,2}\w+(?:\s*,\s*\*{0,2}\w+)*)\s*(?::|$)", line)
+        if match:
+            names.update(name.strip().lstrip("*") for name in match.group(1).split(","))
+    return names
+
+
+def _public_callables():
+    """(qualified name, object, needs Returns) of every public function and method."""
+    import attnx.reference as reference
+
+    found = []
+    for module, names in ((attnx, attnx.__all__), (reference, reference.__all__)):
+        for name in names:
+            obj = getattr(module, name)
+            qualified = f"{module.__name__}.{name}"
+            if inspect.ismodule(obj):
+                continue
+            found.append((qualified, obj))
+            if inspect.isclass(obj):
+                for attr, member in vars(obj).items():
+                    if not attr.startswith("_") or attr == "__call__":
+                        member = getattr(obj, attr)
+                        if callable(member):
+                            found.append((f"{qualified}.{attr}", member))
+    return found
+
+
+PUBLIC = _public_callables()
+
+
+def test_every_public_name_has_a_docstring():
+    for name in attnx.__all__:
+        doc = inspect.getdoc(getattr(attnx, name))
+        assert doc and len(doc.splitlines()[0]) > 10, name
+    assert inspect.getdoc(attnx) and "scaled_dot_product_attention" in inspect.getdoc(attnx)
+
+
+@pytest.mark.parametrize("name, obj", PUBLIC, ids=[name for name, _ in PUBLIC])
+def test_numpy_docstring_sections(name, obj):
+    doc = inspect.getdoc(obj)
+    assert doc, f"{name} has no docstring"
+    sections = _sections(doc)
+    parameters = [p for p in inspect.signature(obj).parameters if p not in ("self", "cls")]
+    if parameters:
+        assert "Parameters" in sections, f"{name}: no Parameters section"
+        documented = _entries(sections["Parameters"])
+        for parameter in parameters:
+            # An entry of its own, or named in another entry (``q_proj_weight`` under
+            # ``use_separate_proj_weight``).
+            assert parameter in documented or f"``{parameter}``" in sections["Parameters"], (
+                f"{name}: parameter {parameter!r} is not documented"
+            )
+        assert not documented - set(parameters), f"{name}: documents unknown {documented - set(parameters)}"
+    if inspect.isclass(obj):
+        return
+    returns = inspect.signature(obj).return_annotation
+    if returns not in (None, "None"):
+        assert "Returns" in sections or "Yields" in sections, f"{name}: no Returns section"
+
+
+def test_help_of_sdpa_is_useful():
+    text = pydoc.render_doc(attnx.scaled_dot_product_attention, renderer=pydoc.plaintext)
+    # The signature with its defaults, then the documentation of each argument and the result.
+    assert "scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False" in text
+    for word in ("Parameters", "Returns", "attn_mask", "is_causal", "enable_gqa", "scale", "out"):
+        assert word in text, word
+
+
+# ---------------------------------------------------------------------------------------------
+# Import
+# ---------------------------------------------------------------------------------------------
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=os.environ.copy())
+
+
+def test_import_is_lazy_and_never_imports_torch():
+    code = (
+        "import sys, attnx\n"
+        "print('attnx.reference' in sys.modules, 'torch' in sys.modules)\n"
+        "from attnx import reference\n"
+        "import attnx.reference as r2\n"
+        "print(reference is attnx.reference is r2, 'reference' in dir(attnx))\n"
+        "print(callable(attnx.reference.scaled_dot_product_attention))\n"
+        "try:\n"
+        "    attnx.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "False False", "True True", "True", "module 'attnx' has no attribute 'no_such_name'",
+    ]
+
+
+def test_star_import_gives_the_public_names():
+    proc = _python("from attnx import *\nprint(sorted(k for k in dir() if not k.startswith('_')))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(sorted(attnx.__all__))
+
+
+def _cumulative_us(importtime: str, module: str) -> int:
+    for line in importtime.splitlines():
+        fields = [f.strip() for f in line.split("|")]
+        if len(fields) == 3 and fields[2] == module:
+            return int(fields[1])
+    raise AssertionError(f"{module} not in -X importtime output")
+
+
+def test_attnx_adds_little_to_numpys_import_time():
+    # attnx's own part of `import attnx` (its modules and the extension, numpy excluded) is a
+    # few milliseconds; 50 ms leaves room for a slow or busy machine. The best of three runs.
+    own = []
+    for _ in range(3):
+        proc = _python("import attnx", "-X", "importtime")
+        assert proc.returncode == 0, proc.stderr
+        own.append(_cumulative_us(proc.stderr, "attnx") - _cumulative_us(proc.stderr, "numpy"))
+    assert min(own) < 50_000, own
