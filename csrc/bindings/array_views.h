@@ -36,14 +36,24 @@ void check_array(const py::array& a, const char* name, int rank, bool contiguous
     throw py::value_error(std::string(name) + ": the array is read-only");
   if (reinterpret_cast<std::uintptr_t>(a.data()) % alignof(T) != 0)
     throw py::value_error(std::string(name) + ": the array is not aligned");
+  // The stride of a dimension of extent 1 is never stepped along, so it may be
+  // anything (NumPy calls such an array contiguous whatever that stride is);
+  // view_stride() reads it as 0.
   for (int d = 0; d < rank; ++d)
-    if (a.strides(d) % static_cast<py::ssize_t>(sizeof(T)) != 0)
+    if (a.shape(d) > 1 && a.strides(d) % static_cast<py::ssize_t>(sizeof(T)) != 0)
       throw py::value_error(std::string(name) + ": strides are not a multiple of the item size");
   // An empty array is never read: its strides do not matter (NumPy gives a
   // broadcast empty array all-zero strides).
   if (contiguous_last && a.size() > 0 && a.shape(rank - 1) > 1 &&
       a.strides(rank - 1) != static_cast<py::ssize_t>(sizeof(T)))
     throw py::value_error(std::string(name) + ": the last dimension must be contiguous");
+}
+
+// The stride of dimension d in elements (0 for an extent-1 dimension, whose
+// byte stride need not be a multiple of the item size).
+template <typename T>
+int64_t view_stride(const py::array& a, int d) {
+  return a.shape(d) > 1 ? a.strides(d) / static_cast<py::ssize_t>(sizeof(T)) : 0;
 }
 
 template <typename T, int Rank>
@@ -54,7 +64,7 @@ StridedView<const T, Rank> const_view(const py::array& a, const char* name,
   v.data = static_cast<const T*>(a.data());
   for (int d = 0; d < Rank; ++d) {
     v.shape[d] = a.shape(d);
-    v.stride[d] = a.strides(d) / static_cast<py::ssize_t>(sizeof(T));
+    v.stride[d] = view_stride<T>(a, d);
   }
   return v;
 }
@@ -66,7 +76,7 @@ StridedView<T, Rank> mutable_view(py::array& a, const char* name) {
   v.data = static_cast<T*>(a.mutable_data());
   for (int d = 0; d < Rank; ++d) {
     v.shape[d] = a.shape(d);
-    v.stride[d] = a.strides(d) / static_cast<py::ssize_t>(sizeof(T));
+    v.stride[d] = view_stride<T>(a, d);
   }
   return v;
 }

@@ -1,0 +1,69 @@
+"""Shared knobs of the hardening tests (issue 4): how hard to push, and where to report.
+
+The default ``python -m pytest`` runs a quick version of every hardening test (property
+tests with few examples, leak checks over a few thousand calls, ...). ``.ci/run`` sets
+``ATTNX_HARDENING=ci`` for the long versions: many more hypothesis examples, 100k calls per
+entry point in the leak checks, more threads and calls in the concurrency tests.
+
+Tests that measure something (examples run, calls made, RSS before and after) record it
+with :func:`record`; when ``ATTNX_HARDENING_REPORT`` names a file, each record is appended
+to it as one JSON line, and ``.ci/run`` prints them at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+LEVEL = os.environ.get("ATTNX_HARDENING", "quick").strip().lower() or "quick"
+if LEVEL not in ("quick", "ci"):
+    raise RuntimeError(f"ATTNX_HARDENING must be 'quick' or 'ci', got {LEVEL!r}")
+CI = LEVEL == "ci"
+
+
+def scaled(quick, ci):
+    """``ci`` under ``ATTNX_HARDENING=ci``, else ``quick``."""
+    return ci if CI else quick
+
+
+def record(test: str, **figures) -> None:
+    """Report figures of a hardening test (appended to $ATTNX_HARDENING_REPORT as JSON)."""
+    entry = {"test": test, "isa": _isa(), **figures}
+    path = os.environ.get("ATTNX_HARDENING_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def _isa() -> str:
+    attnx = sys.modules.get("attnx")
+    return attnx.show_config()["isa"] if attnx is not None else "?"
+
+
+def rss_bytes() -> int:
+    """The resident set size of this process, in bytes."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import psutil  # the test extra installs it where /proc is missing
+
+        return psutil.Process().memory_info().rss
+
+
+def hypothesis_settings(quick_examples: int, ci_examples: int, **overrides):
+    """Settings for a property test: derandomized (reproducible), no deadline, no database."""
+    from hypothesis import HealthCheck, settings
+
+    kwargs = dict(
+        max_examples=scaled(quick_examples, ci_examples),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                               HealthCheck.filter_too_much],
+        print_blob=True,
+    )
+    kwargs.update(overrides)
+    return settings(**kwargs)
