@@ -8,6 +8,11 @@
 #include <atomic>
 #include <string>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define ATTNX_HAVE_PTHREAD_ATFORK 1
+#endif
+
 #include "attnx/runtime.h"
 #include "dispatch/parallel.h"
 
@@ -20,16 +25,49 @@ namespace {
 
 std::atomic<int> g_num_threads{0};  // 0: not set, follow OpenMP
 
+// The most threads a parallel region is given: max(64, 4 x the processors
+// available), and never more than OpenMP's thread limit. More never helps,
+// and far more breaks: libgomp builds a team's start data on the caller's
+// stack (100000 threads overflowed it: a segfault), and every thread gets
+// its own scratch (2^31 - 1 threads: bad_alloc on a small call).
+int max_useful_threads() {
+#ifdef ATTNX_HAVE_OPENMP
+  static const int cap = [] {
+    const int procs = omp_get_num_procs();
+    const int want = procs > 16 ? 4 * procs : 64;
+    const int limit = omp_get_thread_limit();
+    return limit > 0 && limit < want ? limit : want;
+  }();
+  return cap;
+#else
+  return 1 << 16;
+#endif
+}
+
+// fork(): the child's only thread is the one that called fork, and if it
+// ever started an OpenMP team, its libgomp pool still lists the parent's
+// worker threads, which do not exist in the child: its next parallel region
+// with more than one thread waits for them forever. So in the child that
+// thread computes alone (same numbers: results never depend on the thread
+// count); threads the child starts later get fresh pools and the full count.
+thread_local bool t_stale_openmp_pool = false;
+
+#if defined(ATTNX_HAVE_OPENMP) && defined(ATTNX_HAVE_PTHREAD_ATFORK)
+void mark_forking_thread_stale() { t_stale_openmp_pool = true; }
+const int g_atfork_registered = pthread_atfork(nullptr, nullptr, mark_forking_thread_stale);
+#endif
+
 }  // namespace
 
 int get_num_threads() {
-  const int n = g_num_threads.load(std::memory_order_relaxed);
-  if (n > 0) return n;
+  int n = g_num_threads.load(std::memory_order_relaxed);
 #ifdef ATTNX_HAVE_OPENMP
-  return omp_get_max_threads();
+  if (n < 1) n = omp_get_max_threads();
 #else
-  return 1;
+  if (n < 1) n = 1;
 #endif
+  const int cap = max_useful_threads();
+  return n < cap ? n : cap;
 }
 
 void set_num_threads(int n) { g_num_threads.store(n < 1 ? 1 : n, std::memory_order_relaxed); }
@@ -59,7 +97,7 @@ int threads_for(double work) {
   // region costs more than it saves: waking a team takes microseconds, and
   // far more when another process holds the other cores.
   constexpr double kSerialWork = 1 << 20;
-  return work < kSerialWork ? 1 : get_num_threads();
+  return work < kSerialWork || t_stale_openmp_pool ? 1 : get_num_threads();
 }
 
 }  // namespace attnx
