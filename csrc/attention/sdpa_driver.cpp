@@ -15,7 +15,10 @@
 //
 // Row path, for few queries per head and for the weights: each query row
 // against key blocks with the row kernels (dot, axpy); with weights, each
-// row's probabilities are written to the weights, then out = p.V.
+// row's probabilities are written to the weights, then out = p.V. Without
+// weights, long key sequences are split into chunks of kKeyChunk keys, one
+// task each, whose softmax states (m, l, acc) are merged in chunk order:
+// decoding (one query, many keys) then uses every core.
 //
 // Each output row is computed by one thread in a fixed order, so results do
 // not depend on the thread count.
@@ -400,7 +403,8 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   // The row path splits long key sequences into chunks merged afterwards, so
   // that one (b, h) of a decoding step can use every core. The split depends
   // on the shape only, never on the thread count.
-  const int64_t chunks = tiled || a.weights ? 1 : std::max<int64_t>(1, (S + kKeyChunk - 1) / kKeyChunk);
+  const int64_t chunks =
+      tiled || a.weights ? 1 : std::max<int64_t>(1, (S + kKeyChunk - 1) / kKeyChunk);
   const int64_t tasks = B * Hq * q_blocks * chunks;
   const int64_t key_block = tile_key_block<T>(kt.query_tile, E, Ev);
   const size_t scratch_per_thread =

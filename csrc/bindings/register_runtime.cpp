@@ -27,7 +27,8 @@ void register_runtime(py::module_& m) {
   m.def(
       "set_num_threads",
       [](int n) {
-        if (n < 1) throw py::value_error("set_num_threads: n must be >= 1, got " + std::to_string(n));
+        if (n < 1)
+          throw py::value_error("set_num_threads: n must be >= 1, got " + std::to_string(n));
         set_num_threads(n);
       },
       py::arg("n"));
