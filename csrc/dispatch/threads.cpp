@@ -7,6 +7,7 @@
 // service calling attnx from many Python threads gets the same count in all.
 #include <atomic>
 #include <string>
+#include <thread>
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
@@ -40,7 +41,12 @@ int max_useful_threads() {
   }();
   return cap;
 #else
-  return 1 << 16;
+  // No team is ever started, but the count reported obeys the same cap.
+  static const int cap = [] {
+    const int procs = static_cast<int>(std::thread::hardware_concurrency());
+    return procs > 16 ? 4 * procs : 64;
+  }();
+  return cap;
 #endif
 }
 
