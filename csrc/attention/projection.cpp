@@ -55,7 +55,8 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   // Copied in 16-row slices of w^T, so that each slice of the panel stays in
   // L1 while the weight rows are read contiguously.
   std::unique_ptr<T[]> packed(new T[size_t(panels * in * wide)]);
-  const int pack_threads = threads_for(double(in) * double(out) * 8);
+  // (The thread counts are read only by the OpenMP pragmas.)
+  [[maybe_unused]] const int pack_threads = threads_for(double(in) * double(out) * 8);
 #pragma omp parallel for schedule(static) num_threads(pack_threads) if (pack_threads > 1)
   for (int64_t p = 0; p < panels; ++p) {
     T* panel = packed.get() + p * in * wide;
@@ -73,7 +74,8 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
 
   const int64_t row_blocks = (L + kRowBlock - 1) / kRowBlock;
   const int64_t tasks = N * row_blocks * panels;
-  const int nthreads = threads_for(double(N) * double(L) * double(in) * double(out));
+  [[maybe_unused]] const int nthreads =
+      threads_for(double(N) * double(L) * double(in) * double(out));
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t p = t % panels, nb = t / panels;

@@ -286,8 +286,14 @@ def multi_head_attention_forward(
     attn_mask : array_like, shape (L, S) or (N * num_heads, L, S), optional
         bool: True means *not* allowed to attend; float: added to the scores.
     use_separate_proj_weight : bool
-        Use ``q_proj_weight`` (E, E), ``k_proj_weight`` (E, kdim) and
-        ``v_proj_weight`` (E, vdim) instead of ``in_proj_weight``.
+        Use ``q_proj_weight``, ``k_proj_weight`` and ``v_proj_weight`` instead
+        of ``in_proj_weight`` (needed when kdim or vdim differs from E).
+    q_proj_weight : array_like, shape (E, E), optional
+        The query projection, with ``use_separate_proj_weight``.
+    k_proj_weight : array_like, shape (E, kdim), optional
+        The key projection, with ``use_separate_proj_weight``.
+    v_proj_weight : array_like, shape (E, vdim), optional
+        The value projection, with ``use_separate_proj_weight``.
     static_k, static_v : array_like, shape (N * num_heads, S, E / num_heads), optional
         Use these keys/values instead of projecting ``key``/``value``.
     average_attn_weights : bool
