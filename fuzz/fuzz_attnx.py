@@ -1,0 +1,904 @@
+"""Fuzz target of attnx's Python entry points.
+
+``TestOneInput(data)`` turns a byte string into one call of an attnx entry point --
+``scaled_dot_product_attention``, ``multi_head_attention_forward``, ``MultiheadAttention``
+(construction, forward, ``load_state_dict``), ``set_num_threads``, and the private
+``_core.sdpa`` / ``_core.sdpa_plain`` / ``_core.mha`` -- built as a valid call that is then
+mutated 0 to 3 times: an argument replaced by a malformed value (wrong rank, shape, dtype,
+strides, byte order, alignment, a list, a string, None, an object whose ``__array__``
+raises, ...), or resized, or re-typed, or re-laid-out. The only allowed outcomes:
+
+* a result equal to the float64 reference's (``attnx.reference``, to the contract's
+  tolerances, NaN/Inf where it has them) -- and an unmutated call must give one;
+* ``ValueError``, ``TypeError`` or ``NotImplementedError``;
+* ``MemoryError`` only for requests that are truly huge (flagged where they are built).
+
+Anything else -- another exception, a wrong result, a modified input, a crash -- fails.
+
+Run it::
+
+    python fuzz/fuzz_attnx.py --seconds 90 --seed 1        # built-in engine (default)
+    python fuzz/fuzz_attnx.py --engine atheris --seconds 90 --seed 1   # libFuzzer, if installed
+
+The built-in engine feeds random byte strings from a fixed seed (so a run is reproducible:
+the same inputs in the same order), and prints a JSON summary: inputs run, seconds, and
+the count of each outcome. ``--save-last PATH`` writes each input there before running it
+(to keep the input of a crash); ``--replay PATH`` runs one saved input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from collections import Counter
+
+import numpy as np
+
+if os.environ.get("ATTNX_FUZZ_ATHERIS_INSTRUMENT"):  # set by --engine atheris
+    import atheris
+
+    with atheris.instrument_imports(include=["attnx"]):
+        import attnx
+else:
+    import attnx
+
+from attnx import _core, reference
+
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+TOL = {F32: dict(rtol=1e-5, atol=1e-6), F64: dict(rtol=1e-12, atol=1e-12)}
+ALLOWED = (ValueError, TypeError, NotImplementedError)
+HUGE_BYTES = 2**40  # a request needing this much memory may raise MemoryError
+BASE_THREADS = 2
+
+OUTCOMES: Counter = Counter()
+
+
+class Disallowed(AssertionError):
+    """An outcome the contract does not allow."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading decisions from the input bytes
+# ---------------------------------------------------------------------------------------------
+
+
+class Provider:
+    """Decisions drawn from a byte string (zeros once it is used up)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.pos = 0
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            return 0
+        b = self.data[self.pos]
+        self.pos += 1
+        return b
+
+    def int(self, lo: int, hi: int) -> int:
+        """An int in [lo, hi]."""
+        span = hi - lo + 1
+        value = 0
+        for _ in range(max(1, (span.bit_length() + 7) // 8)):
+            value = (value << 8) | self.byte()
+        return lo + value % span
+
+    def bool(self, p_true: float = 0.5) -> bool:
+        return self.byte() < int(256 * p_true)
+
+    def choice(self, seq):
+        return seq[self.int(0, len(seq) - 1)]
+
+    def seed(self) -> int:
+        return self.int(0, 2**32 - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed values
+# ---------------------------------------------------------------------------------------------
+
+
+class Planted(Exception):
+    """Raised by an input's own __array__: the caller's error, which attnx may pass on."""
+
+
+class RaisingArray:
+    """An object whose conversion to an array raises (the exception is the caller's own)."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __array__(self, dtype=None, copy=None):
+        raise self.exc
+
+
+class FakeTensor:
+    """Duck-typed like a torch tensor: detach().cpu().numpy()."""
+
+    def __init__(self, array, fail=False):
+        self.array, self.fail = array, fail
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        if self.fail:
+            raise RuntimeError("cannot convert")
+        return self.array
+
+    def float(self):
+        return self
+
+
+WEIRD_DTYPES = [np.float16, np.int32, np.int64, np.uint8, np.bool_, np.complex64, np.complex128,
+                np.longdouble, object, "U3", "S2", "M8[s]", [("a", "f4"), ("b", "f4")], ">f4", ">f8"]
+
+
+def values(p: Provider, shape, dtype):
+    """Values for an array: mostly N(0, 1); sometimes special ones sprinkled in."""
+    rng = np.random.default_rng(p.seed())
+    a = rng.standard_normal(shape)
+    kind = p.int(0, 9)
+    if kind == 7 and a.size:  # NaN / Inf at a few places
+        flat = a.reshape(-1)
+        flat[rng.integers(0, a.size, size=1 + a.size // 50)] = p.choice([np.nan, np.inf, -np.inf])
+    elif kind == 8:  # large or tiny magnitudes
+        a = a * p.choice([1e30, 1e-30, 1e-42, 3e38, 1e4])
+    elif kind == 9:
+        a = np.zeros(shape)
+    with np.errstate(all="ignore"):
+        return a.astype(dtype)
+
+
+def relayout(p: Provider, a):
+    """The values of `a` in another memory layout (or `a` itself)."""
+    a = np.asarray(a)
+    if a.ndim == 0 or a.size == 0 or a.dtype.kind not in "fbiuc":
+        return a
+    kind = p.int(0, 9)
+    if kind == 0:  # every axis strided
+        big = np.zeros(tuple(2 * n for n in a.shape), a.dtype)
+        v = big[(slice(None, None, 2),) * a.ndim]
+        v[...] = a
+        return v
+    if kind == 1:
+        return np.asfortranarray(a)
+    if kind == 2:  # negative strides
+        rev = (slice(None, None, -1),) * a.ndim
+        return np.ascontiguousarray(a[rev])[rev]
+    if kind == 3:  # misaligned
+        buf = bytearray(a.nbytes + a.itemsize + 1)
+        m = np.frombuffer(buf, a.dtype, count=a.size, offset=1).reshape(a.shape)
+        m[...] = a
+        return m
+    if kind == 4:  # odd byte strides
+        item = a.itemsize
+        strides, step = [], item + 3
+        for n in reversed(a.shape):
+            strides.insert(0, step)
+            step = step * max(n, 1) + 5
+        buf = bytearray(step + 64)
+        m = np.ndarray(a.shape, a.dtype, buffer=buf, strides=tuple(strides))
+        m[...] = a
+        return m
+    if kind == 5 and a.dtype.kind == "f":
+        return a.astype(a.dtype.newbyteorder(">"))
+    if kind == 6:
+        b = a.copy()
+        b.flags.writeable = False
+        return b
+    if kind == 7:  # the first axis broadcast (stride 0)
+        return np.broadcast_to(a[:1], a.shape)
+    if kind == 8:  # transposed storage of the last two axes
+        return np.ascontiguousarray(np.swapaxes(a, -1, -2)).swapaxes(-1, -2) if a.ndim >= 2 else a
+    return a
+
+
+def safe_shape(x):
+    try:
+        return tuple(np.shape(x))
+    except Exception:  # noqa: BLE001 - a malformed value's shape is whatever it is
+        return (2, 3)
+
+
+def malformed(p: Provider, like):
+    """A malformed replacement for an array argument shaped like `like`."""
+    try:
+        return _malformed(p, like)
+    except (ValueError, TypeError, IndexError, OverflowError):
+        return np.zeros((3,) * p.int(0, 5), F32)  # could not derive one from `like`: another rank
+
+
+def _malformed(p: Provider, like):
+    like = np.asarray(like) if isinstance(like, np.ndarray) else np.zeros((2, 3))
+    kind = p.int(0, 15)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return p.choice([0, 1.5, -1, True, "abc", b"xy", 1 + 2j, float("nan"), object(), [], {}])
+    if kind == 2:  # a (possibly ragged) list
+        if p.bool():
+            return like.tolist() if like.size < 200 else [[1.0, 2.0], [3.0]]
+        return [[1.0, 2.0], [3.0]]
+    if kind == 3:  # another dtype
+        dt = p.choice(WEIRD_DTYPES)
+        try:
+            return np.zeros(like.shape, dt) if p.bool() else like.astype(dt)
+        except (TypeError, ValueError):
+            return np.zeros(like.shape, dt)
+    if kind == 4:  # another rank
+        shape = tuple(p.int(0, 4) for _ in range(p.int(0, 6)))
+        return values(p, shape, like.dtype if like.dtype.kind == "f" else F32)
+    if kind == 5:  # one dimension resized
+        if like.ndim == 0:
+            return values(p, (3,), F32)
+        shape = list(like.shape)
+        d = p.int(0, like.ndim - 1)
+        shape[d] = p.choice([0, 1, 2, 3, shape[d] + 1, max(shape[d] - 1, 0), 7])
+        return values(p, tuple(shape), like.dtype if like.dtype.kind in "fb" else F32)
+    if kind == 6:  # extra leading dims
+        return values(p, (p.int(0, 3),) * p.int(1, 2) + like.shape, like.dtype if like.dtype.kind == "f" else F32)
+    if kind == 7:
+        return RaisingArray(Planted("raised by the input's __array__"))
+    if kind == 8:
+        return np.asarray(like, dtype=object)
+    if kind == 9:  # a 0-d array or scalar
+        return np.float32(1.0) if p.bool() else np.array(2.0)
+    if kind == 10 and like.ndim and like.size:  # broadcast (stride 0) to a larger shape
+        shape = list(like.shape)
+        shape[0] = shape[0] * p.int(2, 4) if shape[0] == 1 else shape[0]
+        try:
+            return np.broadcast_to(like[:1] if like.shape[0] else like, tuple(shape))
+        except ValueError:
+            return like
+    if kind == 11:  # the last axis not contiguous
+        return np.repeat(like, 2, axis=-1)[..., ::2] if like.ndim else like
+    if kind == 12:  # a float mask where bool was, or the reverse
+        return like.astype(bool) if like.dtype.kind == "f" else like.astype(F32)
+    return relayout(p, like)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking an outcome
+# ---------------------------------------------------------------------------------------------
+
+
+def well_scaled(arrays) -> bool:
+    """Whether every float array is finite and of moderate magnitude (tolerances apply)."""
+    for a in arrays:
+        if isinstance(a, np.ndarray) and a.dtype.kind == "f" and a.size:
+            with np.errstate(all="ignore"):
+                if not np.isfinite(a).all() or np.abs(a.astype(np.float64)).max() > 20:
+                    return False
+                nz = np.abs(a[a != 0]).astype(np.float64)
+                if nz.size and nz.min() < 1e-20:
+                    return False
+    return True
+
+
+def nan_inf_only(arrays) -> bool:
+    """Whether the only non-moderate values are NaN/Inf (their pattern must match)."""
+    for a in arrays:
+        if isinstance(a, np.ndarray) and a.dtype.kind == "f" and a.size:
+            with np.errstate(all="ignore"):
+                fin = a[np.isfinite(a)].astype(np.float64)
+            if fin.size and (np.abs(fin).max() > 20 or np.abs(fin[fin != 0]).min(initial=1) < 1e-20):
+                return False
+    return True
+
+
+def logits_moderate(q, k, scale) -> bool:
+    """Whether |scale| * sum_e |q_e k_e| stays small for every query/key pair: float32
+    rounding of larger logits alone moves results past the contract's tolerance (which holds
+    "for well-scaled inputs")."""
+    try:
+        q = np.abs(np.asarray(q, dtype=np.float64))
+        k = np.abs(np.asarray(k, dtype=np.float64))
+        if q.size == 0 or k.size == 0:
+            return True
+        with np.errstate(all="ignore"):  # Cauchy-Schwarz: sum_e |q_e k_e| <= |q| |k|
+            bound = abs(float(scale)) * float(np.sqrt((q * q).sum(axis=-1)).max()) * float(
+                np.sqrt((k * k).sum(axis=-1)).max())
+        return bound <= 16 or not np.isfinite(bound)  # non-finite: NaN/Inf inputs, judged by pattern
+    except (ValueError, TypeError):
+        return True
+
+
+def compare(got, expected, dtype, what, inputs, moderate=True):
+    if expected is None:
+        if got is not None:
+            raise Disallowed(f"{what}: got an array where the reference gives None")
+        return
+    if not isinstance(got, np.ndarray):
+        raise Disallowed(f"{what}: not an ndarray: {type(got).__name__}")
+    if got.dtype != dtype or got.shape != np.shape(expected):
+        raise Disallowed(f"{what}: dtype/shape {got.dtype} {got.shape}, expected {dtype} {np.shape(expected)}")
+    arrays = [x for x in inputs if isinstance(x, np.ndarray)]
+    expected = np.asarray(expected, dtype=np.float64)
+    if well_scaled(arrays) and moderate:
+        OUTCOMES["result checked"] += 1
+        np.testing.assert_allclose(got.astype(np.float64), expected, equal_nan=True, err_msg=what,
+                                   **TOL[dtype])
+    elif nan_inf_only(arrays):
+        # NaN/Inf in the inputs: they must reach exactly the outputs the reference has them in.
+        OUTCOMES["nan pattern checked"] += 1
+        g = np.asarray(got, dtype=np.float64)
+        if not np.array_equal(np.isnan(g), np.isnan(expected)):
+            raise Disallowed(f"{what}: NaN in {np.argwhere(np.isnan(g) != np.isnan(expected))[:5].tolist()}"
+                             " differs from the reference")
+    else:
+        OUTCOMES["result not comparable (extreme values)"] += 1
+
+
+def snapshot(arrays):
+    out = []
+    for a in arrays:
+        if isinstance(a, np.ndarray) and a.dtype != object:
+            out.append((a, np.array(a, copy=True)))
+    return out
+
+
+def check_untouched(snap, what, allowed=()):
+    for a, copy in snap:
+        if any(a is x for x in allowed):
+            continue
+        if not np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(copy).view(np.uint8)):
+            raise Disallowed(f"{what}: an input was modified")
+
+
+def call(what, fn, huge=False):
+    """Runs fn(); returns (True, result) or (False, None) for an allowed exception."""
+    try:
+        with np.errstate(all="ignore"):
+            return True, fn()
+    except ALLOWED as exc:
+        OUTCOMES[f"{what}: {type(exc).__name__}"] += 1
+        if not str(exc):
+            raise Disallowed(f"{what}: {type(exc).__name__} without a message") from exc
+        return False, None
+    except Planted:
+        OUTCOMES[f"{what}: the input's own exception passed on"] += 1
+        return False, None
+    except MemoryError as exc:
+        if huge:
+            OUTCOMES[f"{what}: MemoryError (huge request)"] += 1
+            return False, None
+        raise Disallowed(f"{what}: MemoryError on a request that is not huge") from exc
+
+
+def reference_of(fn):
+    """The reference's result, or None where it rejects the input."""
+    try:
+        with np.errstate(all="ignore"):
+            return fn()
+    except (ValueError, TypeError, NotImplementedError, IndexError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def mutate(p: Provider, args: dict, names, n_mut):
+    """Apply n_mut mutations to the named entries of args; returns the names touched."""
+    touched = []
+    for _ in range(n_mut):
+        name = p.choice(names)
+        args[name] = malformed(p, args.get(name))
+        touched.append(name)
+    return touched
+
+
+def fuzz_sdpa(p: Provider):
+    dtype = p.choice([F32, F64])
+    lead = tuple(p.int(1, 3) for _ in range(p.int(0, 2)))
+    Hk = p.int(1, 3)
+    group = p.int(1, 3) if p.bool() else 1
+    L, S = p.choice([0, 1, 2, 5, 17, 33, 70]), p.choice([0, 1, 3, 16, 129, 530])
+    E, Ev = p.choice([1, 3, 8, 16, 33]), p.choice([1, 4, 8, 17])
+    rank = p.int(2, 2 + len(lead) + 1) if group == 1 else 3 + len(lead)
+    batch = (lead + (Hk * group,))[len(lead) + 1 - (rank - 2):] if rank > 2 else ()
+    kbatch = batch[:-1] + (Hk,) if group > 1 else batch
+    args = {
+        "query": values(p, batch + (L, E), dtype),
+        "key": values(p, kbatch + (S, E), p.choice([dtype, dtype, F32, F64, np.float16])),
+        "value": values(p, kbatch + (S, Ev), dtype),
+        "attn_mask": None, "is_causal": False, "scale": None, "enable_gqa": group > 1,
+    }
+    mask_kind = p.int(0, 3)
+    if mask_kind == 1:
+        args["attn_mask"] = np.random.default_rng(p.seed()).random(batch[-1:] + (L, S)) < 0.7
+    elif mask_kind == 2:
+        m = values(p, (L, S), dtype)
+        m[np.random.default_rng(p.seed()).random((L, S)) < 0.3] = -np.inf
+        args["attn_mask"] = m
+    elif mask_kind == 3:
+        args["is_causal"] = True
+    if p.bool(0.3):
+        args["scale"] = p.choice([0.0, 0.1, -0.5, 2.0, np.float32(0.25)])
+    for name in ("query", "key", "value", "attn_mask"):
+        if args[name] is not None and p.bool(0.2):
+            args[name] = relayout(p, args[name])
+    n_mut = p.choice([0, 0, 1, 1, 1, 2, 3])
+    touched = mutate(p, args, ["query", "key", "value", "attn_mask", "is_causal", "scale", "enable_gqa", "out"],
+                     n_mut)
+    for name in touched:
+        if name in ("is_causal", "enable_gqa"):
+            args[name] = p.choice([True, False, 1, 0, None, "yes", np.bool_(True), np.array([True, False])])
+        elif name == "scale":
+            args[name] = p.choice([None, float("nan"), float("inf"), -0.0, "1", 1e300, 1j, np.float64(0.5), [1.0]])
+        elif name == "out":
+            shape = safe_shape(args["query"])[:-1] + safe_shape(args["value"])[-1:] if p.bool() else (2, 3)
+            options = [lambda: np.empty(shape, dtype), lambda: np.empty(shape, F64 if dtype == F32 else F32),
+                       lambda: np.empty(shape, dtype).T, lambda: args["query"],
+                       lambda: np.zeros(shape, dtype)[::-1], lambda: "out", lambda: None,
+                       lambda: np.broadcast_to(np.zeros((), dtype), shape)]
+            try:
+                args["out"] = p.choice(options)()
+            except (ValueError, TypeError, IndexError):
+                args["out"] = np.empty((1,), dtype)
+    kwargs = {k: v for k, v in args.items() if k not in ("query", "key", "value")}
+    inputs = [args["query"], args["key"], args["value"], args["attn_mask"]]
+    snap = snapshot(inputs)
+    ok, got = call("sdpa", lambda: attnx.scaled_dot_product_attention(args["query"], args["key"], args["value"], **kwargs))
+    check_untouched(snap, "sdpa", allowed=[args.get("out")])
+    if not ok:
+        if n_mut == 0:
+            raise Disallowed("sdpa: a valid call raised")
+        return
+    if args.get("out") is not None and got is not args["out"]:
+        raise Disallowed("sdpa: out= given but another array returned")
+    for x in inputs:
+        if isinstance(x, np.ndarray) and x is not args.get("out") and np.shares_memory(got, x):
+            raise Disallowed("sdpa: the result shares memory with an input")
+    ref_kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    expected = reference_of(lambda: reference.scaled_dot_product_attention(
+        *(np.array(x, dtype=np.float64) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
+          for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
+    if expected is None:
+        raise Disallowed("sdpa: attnx computed a result for a call the reference rejects")
+    scale = args["scale"]
+    scale_arr = [np.asarray(float(scale))] if isinstance(scale, (int, float, np.floating)) else []
+    q = np.asarray(args["query"])
+    eff_scale = 1 / math.sqrt(q.shape[-1]) if args["scale"] is None and q.shape[-1] else (scale_arr or [1.0])[0]
+    moderate = logits_moderate(q, np.asarray(args["key"]), eff_scale) if q.ndim >= 2 else True
+    compare(got, expected, q.dtype.newbyteorder("="), "sdpa", inputs + scale_arr, moderate)
+
+
+def mha_valid(p: Provider):
+    dtype = p.choice([F32, F64])
+    H = p.int(1, 3)
+    E = H * p.choice([1, 2, 4])
+    kdim, vdim = p.choice([E, E, 3]), p.choice([E, E, 5])
+    separate = kdim != E or vdim != E or p.bool()
+    N, L, S = p.int(0, 3), p.choice([0, 1, 4, 9]), p.choice([0, 1, 5, 12])
+    unbatched, batch_first = p.bool(0.2), p.bool()
+    static = None if not p.bool(0.2) else "kv"
+
+    def seq(length, dim):
+        shape = (length, dim) if unbatched else ((N, length, dim) if batch_first else (length, N, dim))
+        return values(p, shape, dtype)
+
+    n = 1 if unbatched else N
+    a = dict(query=seq(L, E), key=seq(S, kdim), value=seq(S, vdim), embed_dim_to_check=E, num_heads=H,
+             in_proj_weight=None if separate else values(p, (3 * E, E), dtype) / math.sqrt(E),
+             in_proj_bias=values(p, (3 * E,), dtype) if p.bool() else None,
+             bias_k=None, bias_v=None, add_zero_attn=p.bool(0.3), dropout_p=0.0,
+             out_proj_weight=values(p, (E, E), dtype) / math.sqrt(E),
+             out_proj_bias=values(p, (E,), dtype) if p.bool() else None,
+             training=p.bool(), key_padding_mask=None, need_weights=p.bool(), attn_mask=None,
+             use_separate_proj_weight=separate,
+             q_proj_weight=values(p, (E, E), dtype) / math.sqrt(E) if separate else None,
+             k_proj_weight=values(p, (E, kdim), dtype) / math.sqrt(kdim) if separate else None,
+             v_proj_weight=values(p, (E, vdim), dtype) / math.sqrt(vdim) if separate else None,
+             static_k=None, static_v=None, average_attn_weights=p.bool(), is_causal=p.bool(0.3),
+             batch_first=batch_first)
+    S_src = S
+    if static:
+        S_src = p.choice([0, 2, 6])
+        a["static_k"] = values(p, (n * H, S_src, E // H), dtype)
+        a["static_v"] = values(p, (n * H, S_src, E // H), dtype)
+    elif p.bool(0.3):
+        a["bias_k"], a["bias_v"] = values(p, (1, 1, E), dtype), values(p, (1, 1, E), dtype)
+    if p.bool(0.4):
+        kpm = np.random.default_rng(p.seed()).random((S_src,) if unbatched else (n, S_src)) < 0.3
+        a["key_padding_mask"] = kpm if p.bool() else np.where(kpm, -np.inf, 0.0).astype(dtype)
+    if p.bool(0.4):
+        shape = (L, S_src) if p.bool() else (n * H, L, S_src)
+        am = np.random.default_rng(p.seed()).random(shape) < 0.3
+        a["attn_mask"] = am if p.bool() else np.where(am, -np.inf, 0.5).astype(dtype)
+    return a
+
+
+MHA_ARRAYS = ["query", "key", "value", "in_proj_weight", "in_proj_bias", "bias_k", "bias_v",
+              "out_proj_weight", "out_proj_bias", "key_padding_mask", "attn_mask", "q_proj_weight",
+              "k_proj_weight", "v_proj_weight", "static_k", "static_v"]
+MHA_SCALARS = ["embed_dim_to_check", "num_heads", "add_zero_attn", "dropout_p", "training",
+               "need_weights", "use_separate_proj_weight", "average_attn_weights", "is_causal", "batch_first"]
+SCALAR_JUNK = [None, 0, 1, -1, 2, 3, 4, 2**40, 1.5, float("nan"), "2", True, False, np.int64(2),
+               np.bool_(False), np.array([1, 2]), 0.5, 1.0, [], object()]
+
+
+def fuzz_mha(p: Provider):
+    a = mha_valid(p)
+    for name in MHA_ARRAYS:
+        if isinstance(a[name], np.ndarray) and p.bool(0.15):
+            a[name] = relayout(p, a[name])
+    n_mut = p.choice([0, 0, 1, 1, 1, 2, 3])
+    for _ in range(n_mut):
+        if p.bool(0.7):
+            name = p.choice(MHA_ARRAYS)
+            a[name] = malformed(p, a[name])
+        else:
+            a[p.choice(MHA_SCALARS)] = p.choice(SCALAR_JUNK)
+    inputs = [a[n] for n in MHA_ARRAYS]
+    snap = snapshot(inputs)
+    ok, got = call("mha", lambda: attnx.multi_head_attention_forward(**a))
+    check_untouched(snap, "mha")
+    if not ok:
+        if n_mut == 0:
+            raise Disallowed("mha: a valid call raised")
+        return
+    out, weights = got
+    for r in (out, weights):
+        for x in inputs:
+            if r is not None and isinstance(x, np.ndarray) and np.shares_memory(r, x):
+                raise Disallowed("mha: a result shares memory with an input")
+    conv = {k: (np.array(v, dtype=np.float64) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v)
+            for k, v in a.items()}
+    expected = reference_of(lambda: reference.multi_head_attention_forward(**conv))
+    if expected is None:
+        raise Disallowed("mha: attnx computed a result for a call the reference rejects")
+    dtype = np.asarray(a["query"]).dtype.newbyteorder("=")
+    compare(out, expected[0], dtype, "mha output", inputs)
+    compare(weights, expected[1], dtype, "mha weights", inputs)
+
+
+def fuzz_module(p: Provider):
+    E = p.choice([1, 2, 4, 6, 8])
+    kw = dict(embed_dim=E, num_heads=p.choice([1, 2]), bias=p.bool(), add_bias_kv=p.bool(0.3),
+              add_zero_attn=p.bool(0.3), kdim=p.choice([None, None, 3]), vdim=p.choice([None, None, 5]),
+              batch_first=p.bool(), dtype=p.choice([np.float32, np.float64, "float32", "f8"]),
+              seed=p.int(0, 1000))
+    huge = False
+    if p.bool(0.25):  # malformed constructor arguments
+        name = p.choice(list(kw))
+        junk = [None, 0, -3, 1.5, "8", True, np.int32(4), 2**20, 2**62, np.float16, np.int32, object,
+                "float16", np.random.default_rng(0), -1, [1]]
+        kw[name] = p.choice(junk)
+        huge = name in ("embed_dim", "kdim", "vdim")
+    ok, m = call("MultiheadAttention()", lambda: attnx.MultiheadAttention(**kw), huge=huge)
+    if not ok:
+        return
+    dtype = m.dtype
+    # load_state_dict: a state_dict of another module, perhaps mangled.
+    sd = attnx.MultiheadAttention(
+        m.embed_dim, m.num_heads, bias=m.bias, add_bias_kv=m.add_bias_kv, kdim=m.kdim, vdim=m.vdim,
+        dtype=np.float64, seed=p.int(0, 99)).state_dict()
+    mangle = p.int(0, 9)
+    if mangle == 1:
+        sd.pop(p.choice(sorted(sd)))
+    elif mangle == 2:
+        sd["extra"] = np.zeros(3)
+    elif mangle == 3:
+        k = p.choice(sorted(sd))
+        sd[k] = malformed(p, sd[k])
+    elif mangle == 4:
+        sd = {k: FakeTensor(v, fail=p.bool(0.3)) for k, v in sd.items()}
+    elif mangle == 5:
+        sd = {k: v.tolist() for k, v in sd.items()}
+    elif mangle == 6:
+        sd = p.choice([None, [], "state", 3, {1: 2}])
+    strict = p.choice([True, True, False, "yes", None])
+    before = {k: v.copy() for k, v in m.state_dict().items()}
+    ok, res = call("load_state_dict", lambda: m.load_state_dict(sd, strict=strict))
+    after = m.state_dict()
+    if not ok:  # nothing loaded
+        for k in before:
+            if not np.array_equal(before[k], after[k], equal_nan=True):
+                raise Disallowed("load_state_dict: raised but changed the module")
+    elif mangle == 0:
+        for k, v in sd.items():
+            np.testing.assert_array_equal(after[k], np.asarray(v).astype(dtype), err_msg=k)
+    # forward
+    N, L, S = p.int(0, 2), p.choice([0, 1, 3, 7]), p.choice([0, 1, 4, 9])
+    def seq(length, dim):
+        return values(p, (N, length, dim) if m.batch_first else (length, N, dim), p.choice([dtype, F32, F64]))
+    q, k, v = seq(L, m.embed_dim), seq(S, m.kdim), seq(S, m.vdim)
+    opts = {}
+    if p.bool(0.3):
+        opts["key_padding_mask"] = np.random.default_rng(p.seed()).random((N, S)) < 0.3
+    if p.bool(0.3):
+        opts["attn_mask"] = np.random.default_rng(p.seed()).random((L, S)) < 0.3
+    for name in ("need_weights", "average_attn_weights", "is_causal"):
+        if p.bool(0.3):
+            opts[name] = p.choice([True, False])
+    args = {"query": q, "key": k, "value": v}
+    n_mut = p.choice([0, 0, 1, 2])
+    for _ in range(n_mut):
+        name = p.choice(["query", "key", "value", "key_padding_mask", "attn_mask", "need_weights"])
+        if name == "need_weights":
+            opts[name] = p.choice(SCALAR_JUNK)
+        elif name in args:
+            args[name] = malformed(p, args[name])
+        else:
+            opts[name] = malformed(p, opts.get(name))
+    inputs = [args["query"], args["key"], args["value"], opts.get("key_padding_mask"), opts.get("attn_mask")]
+    snap = snapshot(inputs)
+    params = m.state_dict()
+    ok, got = call("MultiheadAttention.forward", lambda: m(args["query"], args["key"], args["value"], **opts))
+    check_untouched(snap, "MultiheadAttention.forward")
+    for key, value in m.state_dict().items():
+        if not np.array_equal(value, params[key], equal_nan=True):
+            raise Disallowed("MultiheadAttention.forward changed a parameter")
+    if not ok:
+        if n_mut == 0:
+            raise Disallowed("MultiheadAttention.forward: a valid call raised")
+        return
+    out, weights = got
+    cast = lambda x: np.asarray(x).astype(np.float64) if np.asarray(x).dtype.kind == "f" else x  # noqa: E731
+    expected = reference_of(lambda: reference.multi_head_attention_forward(
+        cast(np.asarray(args["query"]).astype(dtype)), cast(np.asarray(args["key"]).astype(dtype)),
+        cast(np.asarray(args["value"]).astype(dtype)), m.embed_dim, m.num_heads,
+        *(None if x is None else cast(x) for x in (m.in_proj_weight, m.in_proj_bias, m.bias_k, m.bias_v)),
+        m.add_zero_attn, 0.0, cast(m.out_proj_weight), None if m.out_proj_bias is None else cast(m.out_proj_bias),
+        training=False, use_separate_proj_weight=m.in_proj_weight is None,
+        q_proj_weight=None if m.q_proj_weight is None else cast(m.q_proj_weight),
+        k_proj_weight=None if m.k_proj_weight is None else cast(m.k_proj_weight),
+        v_proj_weight=None if m.v_proj_weight is None else cast(m.v_proj_weight),
+        batch_first=m.batch_first, **opts))
+    if expected is None:
+        raise Disallowed("MultiheadAttention: attnx computed a result for a call the reference rejects")
+    # Projections over thousands of input features sum that many float32 products: their
+    # rounding alone exceeds the tolerance, so such results are not compared.
+    moderate = max(m.embed_dim, m.kdim, m.vdim) <= 4096
+    compare(out, expected[0], dtype, "module output", inputs + list(params.values()), moderate)
+    compare(weights, expected[1], dtype, "module weights", inputs + list(params.values()), moderate)
+
+
+def fuzz_set_num_threads(p: Provider):
+    n = p.choice([0, -1, 1, 2, 3, 64, 1000, 10**6, 2**31 - 1, 2**31, 2**63, -(2**63), 1.0, 2.5, "2",
+                  None, True, False, np.int8(3), np.uint64(2**64 - 1), np.int64(4), np.float64(2.0),
+                  np.array(2), np.array([2]), [2], object()])
+    before = attnx.get_num_threads()
+    ok, _ = call("set_num_threads", lambda: attnx.set_num_threads(n))
+    now = attnx.get_num_threads()
+    if not ok and now != before:
+        raise Disallowed("set_num_threads raised but changed the count")
+    if not (isinstance(now, int) and 1 <= now <= max(64, 4 * (os.cpu_count() or 1))):
+        raise Disallowed(f"get_num_threads() = {now!r} after set_num_threads({n!r})")
+    # A computation with the new count gives the numbers of the usual one.
+    rng = np.random.default_rng(p.seed())
+    q = rng.standard_normal((1, 2, 40, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 700, 16)).astype(np.float32)
+    got = attnx.scaled_dot_product_attention(q, k, k)
+    attnx.set_num_threads(BASE_THREADS)
+    if not np.array_equal(got, attnx.scaled_dot_product_attention(q, k, k)):
+        raise Disallowed(f"a result depends on the thread count ({now})")
+
+
+def core_sdpa_expected(q, k, v, mask, causal, scale):
+    """float64 expectation of _core.sdpa's out and weights (causal and a mask may combine)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    Hq, Hk = q.shape[1], k.shape[1]
+    if Hk:
+        k, v = np.repeat(k, Hq // Hk, axis=1), np.repeat(v, Hq // Hk, axis=1)
+    L, S = q.shape[2], k.shape[2]
+    bias = np.zeros((1, 1, L, S)) if mask is None else np.asarray(mask, np.float64)
+    if causal:  # keys above the diagonal are closed by selection, whatever the mask holds
+        bias = np.where(np.arange(S)[None, :] > np.arange(L)[:, None], -np.inf, bias)
+    return reference._attention(q, k, v, bias, scale)
+
+
+def fuzz_core(p: Provider):
+    which = p.choice(["sdpa", "sdpa", "sdpa_plain", "mha"])
+    dtype = p.choice([F32, F64])
+    if which in ("sdpa", "sdpa_plain"):
+        B, Hk, g = p.int(0, 2), p.int(0, 2), p.int(1, 2)
+        L, S, E, Ev = p.choice([0, 1, 3, 40]), p.choice([0, 1, 7, 600]), p.choice([1, 4, 16]), p.choice([1, 3, 8])
+        a = dict(query=values(p, (B, Hk * g, L, E), dtype), key=values(p, (B, Hk, S, E), dtype),
+                 value=values(p, (B, Hk, S, Ev), dtype),
+                 attn_mask=values(p, (B, Hk * g, L, S), dtype) if p.bool() else None,
+                 causal=p.bool(), scale=p.choice([0.5, 1.0, -0.25]),
+                 out=np.empty((B, Hk * g, L, Ev), dtype),
+                 weights=np.empty((B, Hk * g, L, S), dtype) if p.bool(0.3) else None)
+        if a["attn_mask"] is not None and p.bool():
+            a["attn_mask"] = np.broadcast_to(a["attn_mask"][:, :1, :1], a["attn_mask"].shape)
+        names = list(a)
+        n_mut = p.choice([0, 1, 1, 2, 3])
+        for _ in range(n_mut):
+            name = p.choice(names)
+            if name in ("causal",):
+                a[name] = p.choice(SCALAR_JUNK)
+            elif name == "scale":
+                a[name] = p.choice([float("nan"), float("inf"), "x", None, 1e300, np.float32(2)])
+            elif name in ("out", "weights") and p.bool(0.3):
+                a[name] = p.choice([a["query"], a["key"], np.empty((1,), dtype)])  # aliasing / wrong
+            else:
+                a[name] = malformed(p, a[name])
+        inputs = [a["query"], a["key"], a["value"], a["attn_mask"]]
+        outputs = [a["out"], a["weights"]]
+        aliased = any(isinstance(o, np.ndarray) and isinstance(x, np.ndarray) and np.shares_memory(o, x)
+                      for o in outputs for x in inputs) or (
+            isinstance(a["out"], np.ndarray) and isinstance(a["weights"], np.ndarray)
+            and np.shares_memory(a["out"], a["weights"]))
+        snap = snapshot(inputs)
+        if which == "sdpa_plain":
+            ok, got = call("_core.sdpa_plain", lambda: _core.sdpa_plain(a["query"], a["key"], a["value"], a["causal"]))
+            check_untouched(snap, "_core.sdpa_plain")
+            if ok and got is not None:
+                exp, _ = core_sdpa_expected(a["query"], a["key"], a["value"], None, bool(a["causal"]),
+                                            1 / math.sqrt(safe_shape(a["query"])[3]))
+                compare(got, exp, np.asarray(a["query"]).dtype, "_core.sdpa_plain", inputs)
+            return
+        ok, _ = call("_core.sdpa", lambda: _core.sdpa(**a))
+        if not aliased:
+            check_untouched(snap, "_core.sdpa")
+        if ok and not aliased and n_mut == 0:
+            exp_out, exp_w = core_sdpa_expected(a["query"], a["key"], a["value"], a["attn_mask"], a["causal"], a["scale"])
+            moderate = logits_moderate(a["query"], a["key"], a["scale"])
+            compare(a["out"], exp_out, dtype, "_core.sdpa out", inputs, moderate)
+            if a["weights"] is not None:
+                compare(a["weights"], exp_w, dtype, "_core.sdpa weights", inputs, moderate)
+        elif not ok and n_mut == 0:
+            raise Disallowed("_core.sdpa: a valid call raised")
+        return
+    # _core.mha with canonical (N, L, E) arguments
+    H = p.int(1, 2)
+    E = H * p.choice([1, 2, 4])
+    N, L, S = p.int(0, 2), p.choice([0, 1, 5]), p.choice([0, 1, 6])
+    kdim, vdim = p.choice([E, 3]), p.choice([E, 2])
+    Eo = p.choice([E, E, 3])
+    avg = p.bool()
+    bias_kv = p.bool(0.3)
+    zero = p.bool(0.3)
+    Sp = S + bias_kv + zero
+    a = dict(num_heads=H, query=values(p, (N, L, E), dtype), key=values(p, (N, S, kdim), dtype),
+             value=values(p, (N, S, vdim), dtype), w_q=values(p, (E, E), dtype), w_k=values(p, (E, kdim), dtype),
+             w_v=values(p, (E, vdim), dtype), b_q=values(p, (E,), dtype) if p.bool() else None,
+             b_k=None, b_v=None, bias_k=values(p, (E,), dtype) if bias_kv else None,
+             bias_v=values(p, (E,), dtype) if bias_kv else None, add_zero_attn=zero, static_k=None,
+             static_v=None, attn_mask=np.zeros((N, H, L, S), dtype) if p.bool() else None,
+             key_padding_mask=None, causal=p.bool(), w_out=values(p, (Eo, E), dtype),
+             b_out=values(p, (Eo,), dtype) if p.bool() else None, out=np.empty((N, L, Eo), dtype),
+             weights=(np.empty((N, L, Sp) if avg else (N, H, L, Sp), dtype) if p.bool() else None),
+             average_weights=avg)
+    names = [k for k in a]
+    for _ in range(p.choice([1, 1, 2, 3])):
+        name = p.choice(names)
+        if name in ("num_heads", "add_zero_attn", "causal", "average_weights"):
+            a[name] = p.choice(SCALAR_JUNK + [-5, 7, 2**62])
+        else:
+            a[name] = malformed(p, a[name])
+    ok, _ = call("_core.mha", lambda: _core.mha(**a))
+
+
+ENTRY_POINTS = [fuzz_sdpa, fuzz_sdpa, fuzz_mha, fuzz_mha, fuzz_module, fuzz_core, fuzz_core,
+                fuzz_set_num_threads]
+
+
+def TestOneInput(data: bytes) -> None:  # noqa: N802 - atheris' name
+    p = Provider(data)
+    entry = ENTRY_POINTS[p.int(0, len(ENTRY_POINTS) - 1)]
+    OUTCOMES["inputs"] += 1
+    OUTCOMES[f"entry {entry.__name__}"] += 1
+    try:
+        with warnings.catch_warnings():
+            # Building malformed inputs warns (complex -> float casts, ...); attnx's own
+            # warnings are not under test here.
+            warnings.simplefilter("ignore")
+            entry(p)
+    finally:
+        if attnx.get_num_threads() != BASE_THREADS:
+            attnx.set_num_threads(BASE_THREADS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines
+# ---------------------------------------------------------------------------------------------
+
+
+def summary(seconds, engine, seed):
+    inputs = OUTCOMES["inputs"]
+    return {
+        "engine": engine, "seed": seed, "inputs": inputs, "seconds": round(seconds, 1),
+        "inputs_per_second": round(inputs / max(seconds, 1e-9), 1),
+        "isa": attnx.show_config()["isa"],
+        "outcomes": dict(sorted((k, v) for k, v in OUTCOMES.items() if k != "inputs")),
+    }
+
+
+FAILURES: dict = {}  # first line of the failure -> {"count", "input", "traceback"}
+
+
+def run_builtin(seconds, seed, save_last, max_inputs, stop_on_failure):
+    """Random byte strings from a fixed seed, for `seconds`. A disallowed outcome is recorded
+    (deduplicated by its message's first line, with the first input that gave it) and the run
+    goes on; a crash ends the process (--save-last keeps its input)."""
+    import traceback
+
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds and OUTCOMES["inputs"] < max_inputs:
+        data = rng.randbytes(rng.choice([8, 32, 64, 128, 256, 512]))
+        if save_last:
+            with open(save_last, "wb") as f:
+                f.write(data)
+        try:
+            TestOneInput(data)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported at the end
+            key = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            if "Not equal to tolerance" in str(exc) or "nan location mismatch" in str(exc):
+                key = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+            entry = FAILURES.setdefault(key, {"count": 0, "input": "hex:" + data.hex(),
+                                              "traceback": traceback.format_exc()[-3000:]})
+            entry["count"] += 1
+            if stop_on_failure:
+                break
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["builtin", "atheris"], default="builtin")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-inputs", type=int, default=10**12)
+    ap.add_argument("--save-last", default=None)
+    ap.add_argument("--stop-on-failure", action="store_true")
+    ap.add_argument("--replay", default=None, help="run one saved input (a file, or hex with hex:)")
+    ap.add_argument("--summary", default=None, help="also write the JSON summary to this file")
+    args, rest = ap.parse_known_args(argv)
+    attnx.set_num_threads(BASE_THREADS)
+    if args.replay:
+        data = bytes.fromhex(args.replay[4:]) if args.replay.startswith("hex:") else open(args.replay, "rb").read()
+        TestOneInput(data)
+        print(json.dumps(summary(0.0, "replay", None)))
+        return 0
+    if args.engine == "atheris":
+        start = time.perf_counter()
+
+        def report():
+            s = json.dumps(summary(time.perf_counter() - start, "atheris", args.seed))
+            print(s, flush=True)
+            if args.summary:
+                with open(args.summary, "w") as f:
+                    f.write(s + "\n")
+
+        atexit.register(report)
+        atheris.Setup([sys.argv[0], f"-seed={args.seed}", f"-max_total_time={int(args.seconds)}",
+                       "-rss_limit_mb=8192", "-timeout=60", *rest], TestOneInput)
+        atheris.Fuzz()
+        return 0
+    seconds = run_builtin(args.seconds, args.seed, args.save_last, args.max_inputs, args.stop_on_failure)
+    result = summary(seconds, "builtin", args.seed)
+    result["failures"] = {k: {"count": v["count"], "input": v["input"]} for k, v in FAILURES.items()}
+    for key, v in FAILURES.items():
+        print(f"\n=== FAILURE ({v['count']}x): {key}\n    replay: python fuzz/fuzz_attnx.py --replay {v['input']}\n"
+              f"{v['traceback']}", file=sys.stderr)
+    s = json.dumps(result)
+    print(s)
+    if args.summary:
+        with open(args.summary, "w") as f:
+            f.write(s + "\n")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    if "--engine" in sys.argv and "atheris" in sys.argv and not os.environ.get("ATTNX_FUZZ_ATHERIS_INSTRUMENT"):
+        # Re-run with the attnx package instrumented for atheris' coverage feedback.
+        os.environ["ATTNX_FUZZ_ATHERIS_INSTRUMENT"] = "1"
+        os.execv(sys.executable, [sys.executable] + sys.argv)
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The fuzz target (fuzz/fuzz_attnx.py): a short fixed-seed run, its oracle, and the
+regressions it found.
+
+``.ci/run`` runs the fuzzer for real (a fixed seed, a time bound, the count of inputs
+reported); here a few seconds of it run in a child process on every ``python -m pytest``,
+so that the target itself keeps working and the commonest failures show at once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnx
+from _hardening import record, scaled
+
+FUZZ = pathlib.Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_attnx.py"
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
+
+
+def load_fuzz_module():
+    spec = importlib.util.spec_from_file_location("fuzz_attnx_under_test", FUZZ)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_fixed_seed_fuzz_run(tmp_path):
+    # A fixed number of inputs (not a time bound), so that the run is the same every time.
+    inputs = scaled(2000, 8000)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [PYTHON_DIR, env.get("PYTHONPATH", "")] if p)
+    proc = subprocess.run(
+        [sys.executable, str(FUZZ), "--seconds", "1200", "--max-inputs", str(inputs), "--seed", "12345",
+         "--save-last", str(tmp_path / "last-input")],
+        capture_output=True, text=True, env=env, timeout=1500,
+    )
+    assert proc.returncode in (0, 1), f"the fuzzer crashed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    record("fuzz (pytest, short)", inputs=result["inputs"], seconds=result["seconds"],
+           failures=len(result["failures"]))
+    assert result["failures"] == {}, proc.stderr[-6000:]
+    assert proc.returncode == 0
+    assert result["inputs"] == inputs
+    outcomes = result["outcomes"]
+    # Every entry point ran, and the oracle compared results.
+    for entry in ("fuzz_sdpa", "fuzz_mha", "fuzz_module", "fuzz_core", "fuzz_set_num_threads"):
+        assert outcomes.get(f"entry {entry}", 0) > 0, entry
+    assert outcomes.get("result checked", 0) > inputs // 5
+
+
+def test_the_oracle_catches_a_wrong_result(monkeypatch):
+    """The fuzzer's checks have teeth: an sdpa 1% off, or one raising RuntimeError, fails."""
+    fz = load_fuzz_module()
+    real = attnx.scaled_dot_product_attention
+    monkeypatch.setattr(fz.attnx, "scaled_dot_product_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    caught = 0
+    for i in range(300):
+        data = np.random.default_rng(i).bytes(64)
+        try:
+            fz.TestOneInput(bytes([0]) + data)  # first byte 0: the sdpa entry
+        except AssertionError:
+            caught += 1
+    assert caught > 10
+
+    def raising(*a, **k):
+        raise RuntimeError("not an allowed outcome")
+
+    monkeypatch.setattr(fz.attnx, "scaled_dot_product_attention", raising)
+    with pytest.raises(RuntimeError):
+        for i in range(50):
+            fz.TestOneInput(bytes([0]) + np.random.default_rng(i).bytes(64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Regressions found by the fuzzer
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["yes", None, 2, np.array([True, False])], ids=["str", "None", "int", "array"])
+def test_enable_gqa_is_checked_on_every_path(flag):
+    """Found by the fuzzer: ``enable_gqa`` that is not a bool raises TypeError on the general
+    path (with a mask, a scale or ``out=``) but was accepted silently on the plain fast path
+    (three 4-D arrays, no mask, default scale: functional.py hands them to ``_core.sdpa_plain``
+    before any flag is checked). The same call must not succeed or fail depending on whether
+    a scale was passed."""
+    q = np.ones((1, 2, 3, 4), np.float32)
+    with pytest.raises(TypeError, match="enable_gqa"):
+        attnx.scaled_dot_product_attention(q, q, q, scale=0.5, enable_gqa=flag)
+    with pytest.raises(TypeError, match="enable_gqa"):
+        attnx.scaled_dot_product_attention(q, q, q, enable_gqa=flag)
