@@ -1,0 +1,131 @@
+"""Leaks: the resident set size stays flat over many calls of every entry point.
+
+Each entry point -- on its success path and on paths that raise (bad shapes, bad dtypes,
+bad flags) -- is called N times with small shapes after a warm-up; the RSS after the calls
+may exceed the RSS before them by at most a small allowance. ``ATTNX_HARDENING=ci`` (set by
+``.ci/run``) makes N 100 000, where the 2 MiB allowance is 21 bytes a call: leaking one
+result array, one Python object or one C++ buffer per call is caught. The default run makes
+N 4 000 (then 2 MiB is 524 bytes a call: a leaked result array is still caught).
+RSS before and after is recorded for every entry point.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import attnx
+from _hardening import record, rss_bytes, scaled
+from attnx import _core
+
+CALLS = scaled(4_000, 100_000)
+ALLOWANCE = 2 * 1024 * 1024
+
+rng = np.random.default_rng(0)
+f32 = np.float32
+Q = rng.standard_normal((1, 2, 4, 8)).astype(f32)
+K = rng.standard_normal((1, 2, 6, 8)).astype(f32)
+V = rng.standard_normal((1, 2, 6, 8)).astype(f32)
+MASK = rng.random((4, 6)) < 0.7
+FMASK = np.where(MASK, 0.0, -np.inf).astype(f32)
+OUT = np.empty((1, 2, 4, 8), f32)
+WEIGHTS = np.empty((1, 2, 4, 6), f32)
+X = rng.standard_normal((5, 2, 8)).astype(f32)
+MODULE = attnx.MultiheadAttention(8, 2, add_bias_kv=True, seed=0)
+STATE = attnx.MultiheadAttention(8, 2, add_bias_kv=True, seed=1).state_dict()
+BAD_STATE = {**STATE, "out_proj.weight": np.zeros((3, 3), f32)}
+W = rng.standard_normal((3 * 8, 8)).astype(f32) / 3
+WO = rng.standard_normal((8, 8)).astype(f32) / 3
+B = rng.standard_normal(3 * 8).astype(f32)
+XC = np.ascontiguousarray(X.transpose(1, 0, 2))  # (N, L, E) for _core.mha
+MHA_OUT = np.empty((2, 5, 8), f32)
+MHA_W = np.empty((2, 5, 6), f32)  # S + the zero-attention key
+KPM = rng.random((2, 5)) < 0.3
+
+
+def mha(**over):
+    kw = dict(embed_dim_to_check=8, num_heads=2, in_proj_weight=W, in_proj_bias=B, bias_k=None,
+              bias_v=None, add_zero_attn=False, dropout_p=0.0, out_proj_weight=WO, out_proj_bias=None,
+              key_padding_mask=KPM, training=False)
+    kw.update(over)
+    return attnx.multi_head_attention_forward(X, X, X, **kw)
+
+
+def core_mha(out=MHA_OUT, num_heads=2):
+    _core.mha(num_heads, XC, XC, XC, W[:8], W[8:16], W[16:], B[:8], B[8:16], B[16:], None, None, True,
+              None, None, None, None, True, WO, None, out, MHA_W, True)
+
+
+def _load():
+    MODULE.load_state_dict(STATE)
+
+
+# name -> (call, exception it must raise or None)
+ENTRIES = {
+    "sdpa plain": (lambda: attnx.scaled_dot_product_attention(Q, K, V), None),
+    "sdpa bool mask + out=": (lambda: attnx.scaled_dot_product_attention(Q, K, V, MASK, out=OUT), None),
+    "sdpa float mask + scale": (lambda: attnx.scaled_dot_product_attention(Q, K, V, FMASK, scale=0.3), None),
+    "sdpa raises (shapes)": (lambda: attnx.scaled_dot_product_attention(Q, K[..., :5], V), ValueError),
+    "sdpa raises (dtype)": (lambda: attnx.scaled_dot_product_attention(Q.astype(np.int32), K, V), TypeError),
+    "sdpa raises (mask dtype)": (lambda: attnx.scaled_dot_product_attention(Q, K, V, MASK.astype(np.int8)), TypeError),
+    "mha with weights": (lambda: mha(), None),
+    "mha no weights, causal": (lambda: mha(need_weights=False, is_causal=True), None),
+    "mha raises (embed_dim)": (lambda: mha(embed_dim_to_check=9), ValueError),
+    "mha raises (dropout)": (lambda: mha(dropout_p=0.5, training=True), NotImplementedError),
+    "module forward": (lambda: MODULE(X, X, X), None),
+    "module forward, masks": (lambda: MODULE(X, X, X, key_padding_mask=KPM, average_attn_weights=False), None),
+    "module raises (shape)": (lambda: MODULE(X[..., :5], X, X), ValueError),
+    "load_state_dict": (_load, None),
+    "load_state_dict raises": (lambda: MODULE.load_state_dict(BAD_STATE), ValueError),
+    "set/get_num_threads": (lambda: attnx.set_num_threads(attnx.get_num_threads()), None),
+    "set_num_threads raises": (lambda: attnx.set_num_threads(0), ValueError),
+    "_core.sdpa": (lambda: _core.sdpa(Q, K, V, None, True, 0.5, OUT, WEIGHTS), None),
+    "_core.sdpa raises": (lambda: _core.sdpa(Q, K, V, None, False, 0.5, WEIGHTS, None), ValueError),
+    "_core.sdpa_plain": (lambda: _core.sdpa_plain(Q, K, V, False), None),
+    "_core.mha": (core_mha, None),
+    "_core.mha raises": (lambda: core_mha(num_heads=3), ValueError),
+}
+
+
+@pytest.mark.parametrize("name", list(ENTRIES))
+def test_rss_stays_flat(threads, name):
+    call, exc = ENTRIES[name]
+    attnx.set_num_threads(2)
+
+    def run(n):
+        if exc is None:
+            for _ in range(n):
+                call()
+        else:
+            for _ in range(n):
+                try:
+                    call()
+                except exc:
+                    pass
+                else:
+                    raise AssertionError(f"{name}: did not raise {exc.__name__}")
+
+    run(max(CALLS // 10, 500))  # warm up: caches, scratch, allocator pools
+    gc.collect()
+    before = rss_bytes()
+    run(CALLS)
+    gc.collect()
+    after = rss_bytes()
+    record(f"leaks: {name}", calls=CALLS, rss_before_kib=before // 1024, rss_after_kib=after // 1024,
+           growth_kib=(after - before) // 1024)
+    assert after - before <= ALLOWANCE, (
+        f"{name}: RSS grew by {(after - before) / 1024:.0f} KiB over {CALLS} calls "
+        f"({(after - before) / CALLS:.1f} bytes a call)")
+
+
+def test_the_leak_probe_sees_a_leak():
+    # The probe itself: keeping 1000 bytes a call over the default count of calls is seen.
+    kept = []
+    before = rss_bytes()
+    for _ in range(4_000):
+        kept.append(bytearray(1000))
+    after = rss_bytes()
+    assert after - before > 2 * 1024 * 1024
+    del kept
