@@ -52,6 +52,37 @@ def rss_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 
+def malloc_in_use_bytes():
+    """Bytes malloc has handed out and not had back (glibc's mallinfo2: all arenas plus
+    mmapped blocks), or None where that is not available. Unlike the RSS, it grows with a
+    leak even while the allocator still has freed memory resident to hand out again."""
+    import ctypes
+    import ctypes.util
+
+    global _MALLINFO2
+    if _MALLINFO2 is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            fn = libc.mallinfo2
+        except (OSError, AttributeError):
+            _MALLINFO2 = False
+        else:
+            class Mallinfo2(ctypes.Structure):
+                _fields_ = [(name, ctypes.c_size_t) for name in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                    "uordblks", "fordblks", "keepcost")]
+
+            fn.restype = Mallinfo2
+            _MALLINFO2 = fn
+    if not _MALLINFO2:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
+_MALLINFO2 = None
+
+
 def hypothesis_settings(quick_examples: int, ci_examples: int, **overrides):
     """Settings for a property test: derandomized (reproducible), no deadline, no database."""
     from hypothesis import HealthCheck, settings
