@@ -79,7 +79,13 @@ def scaled_dot_product_attention(
     >>> attnx.scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 4, 8, 16)
     """
-    if attn_mask is None and scale is None and out is None and (is_causal is True or is_causal is False):
+    if (
+        attn_mask is None
+        and scale is None
+        and out is None
+        and (is_causal is True or is_causal is False)
+        and (enable_gqa is True or enable_gqa is False)
+    ):
         # The plain call, checked and run in C++; None means "not plain".
         result = _core.sdpa_plain(query, key, value, is_causal)
         if result is not None:
