@@ -29,7 +29,7 @@ def scaled(quick, ci):
 
 def record(test: str, **figures) -> None:
     """Report figures of a hardening test (appended to $ATTNX_HARDENING_REPORT as JSON)."""
-    entry = {"test": test, "isa": _isa(), **figures}
+    entry = {"test": test, "isa": _isa(), "run": os.environ.get("ATTNX_HARDENING_RUN", LEVEL), **figures}
     path = os.environ.get("ATTNX_HARDENING_REPORT")
     if path:
         with open(path, "a", encoding="utf-8") as f:
