@@ -15,6 +15,11 @@ The semantics are PyTorch's (``torch.nn.functional.scaled_dot_product_attention`
   it. NaN or Inf in anything a row does attend to propagates to that row.
 * ``is_causal=True`` in :func:`multi_head_attention_forward` works without ``attn_mask``; when
   ``attn_mask`` is given as well, the mask is used as given.
+* ``is_causal`` also takes ``"top_left"`` (the same as True) and ``"bottom_right"`` (query i of
+  L attends key j of S iff ``j <= i + S - L``), and sdpa takes a sliding ``window=(left,
+  right)``; both are attnx additions (torch expresses them with explicit masks).
+* :func:`cached_attention` is attention over per-sequence prefixes of a key/value store, as
+  :func:`attnx.cached_attention` computes it over an :class:`attnx.KVCache`.
 * Dropout is not supported (this is an inference library).
 
 Only NumPy is imported.
@@ -24,7 +29,7 @@ import math
 
 import numpy as np
 
-__all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
+__all__ = ["scaled_dot_product_attention", "multi_head_attention_forward", "cached_attention"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,10 +75,54 @@ def _mask_to_bias(mask, name, dtype, true_means_masked):
     raise TypeError(f"{name} must be a bool or floating point array, got dtype {mask.dtype}")
 
 
-def _causal_bias(tgt_len, src_len, dtype):
-    """Top-left aligned causal mask as a bias: query i may attend key j iff j <= i."""
-    future = np.arange(src_len)[None, :] > np.arange(tgt_len)[:, None]
-    return np.where(future, -np.inf, 0.0).astype(dtype)
+def _causal_alignment(is_causal):
+    """``(causal, bottom_right)`` of an ``is_causal`` argument."""
+    if isinstance(is_causal, (bool, np.bool_)):
+        return bool(is_causal), False
+    if isinstance(is_causal, str) and is_causal in ("top_left", "bottom_right"):
+        return True, is_causal == "bottom_right"
+    raise ValueError(
+        f"is_causal must be False, True, 'top_left' or 'bottom_right', got {is_causal!r}"
+    )
+
+
+def _window_sides(window):
+    """``(left, right)`` of a ``window`` argument; None means unbounded on that side."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right), got {window!r}")
+    for side in window:
+        if side is not None and (isinstance(side, bool) or int(side) != side or side < 0):
+            raise ValueError(f"window sides must be ints >= 0 or None, got {window!r}")
+    return window[0], window[1]
+
+
+def _open_positions(tgt_len, src_len, causal=False, bottom_right=False, window=None):
+    """Bool ``(L, S)``: True where query i may attend key j by their positions alone.
+
+    Query i is aligned with key ``i + d``: ``d = 0`` (top-left) or ``d = S - L``
+    (bottom-right). Causal: ``j <= i + d``. Window (left, right):
+    ``i + d - left <= j <= i + d + right``.
+    """
+    left, right = _window_sides(window)
+    i = np.arange(tgt_len)[:, None]
+    j = np.arange(src_len)[None, :]
+    d = src_len - tgt_len if bottom_right else 0
+    open_ = np.ones((tgt_len, src_len), dtype=bool)
+    if causal:
+        open_ &= j <= i + d
+    if left is not None:
+        open_ &= j >= i + d - left
+    if right is not None:
+        open_ &= j <= i + d + right
+    return open_
+
+
+def _causal_bias(tgt_len, src_len, dtype, bottom_right=False, window=None, causal=True):
+    """Causal (and window) mask as a bias: 0 where open, -inf where closed."""
+    open_ = _open_positions(tgt_len, src_len, causal, bottom_right, window)
+    return np.where(open_, 0.0, -np.inf).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +179,8 @@ def _attention_core(q, k, v, bias, scale):
 
 
 def scaled_dot_product_attention(
-    query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False
+    query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
+    window=None
 ):
     """Reference scaled dot-product attention, as torch's ``scaled_dot_product_attention``.
 
@@ -145,14 +195,18 @@ def scaled_dot_product_attention(
     attn_mask : array_like, optional
         Broadcastable to ``(..., Hq, L, S)``. Bool: True means the query may attend to the
         key. Float: added to the scores (-inf masks the key).
-    is_causal : bool, default False
-        Query i attends key j only if ``j <= i`` (top-left aligned). Must not be combined
-        with ``attn_mask``.
+    is_causal : {False, True, "top_left", "bottom_right"}, default False
+        True or "top_left": query i attends key j only if ``j <= i``. "bottom_right": only
+        if ``j <= i + S - L``. Must not be combined with ``attn_mask``.
     scale : float, optional
         Multiplies ``query @ key^T``; default ``1 / sqrt(E)``.
     enable_gqa : bool, default False
         Grouped-query attention: ``Hq`` must be a multiple of ``Hk``, and query head ``h``
         uses key/value head ``h // (Hq // Hk)``.
+    window : tuple (left, right), optional, keyword-only
+        Query i attends key j only if ``i + d - left <= j <= i + d + right``, with
+        ``d = S - L`` for ``is_causal="bottom_right"`` and 0 otherwise; a side that is None
+        is unbounded. Combined with ``is_causal`` and ``attn_mask`` (all must allow a key).
 
     Returns
     -------
@@ -181,7 +235,8 @@ def scaled_dot_product_attention(
         raise ValueError(f"query {q.shape} and key {k.shape} differ in the last dimension")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"key {k.shape} and value {v.shape} differ in sequence length")
-    if is_causal and attn_mask is not None:
+    causal, bottom_right = _causal_alignment(is_causal)
+    if causal and attn_mask is not None:
         raise ValueError("attn_mask and is_causal=True cannot be used together")
 
     if enable_gqa and q.ndim >= 3 and k.ndim >= 3 and v.ndim >= 3:
@@ -216,8 +271,9 @@ def scaled_dot_product_attention(
                 f"attn_mask of shape {bias.shape} does not broadcast to the scores' shape "
                 f"{scores_shape}"
             ) from None
-    elif is_causal:
-        bias = _causal_bias(tgt_len, src_len, dtype)
+    if causal or window is not None:
+        positions = _causal_bias(tgt_len, src_len, dtype, bottom_right, window, causal)
+        bias = positions if bias is None else bias + positions
 
     if scale is None:
         head_size = q.shape[-1]
@@ -316,10 +372,11 @@ def multi_head_attention_forward(
         Already projected, head-split keys/values used instead of projecting ``key``/``value``.
     average_attn_weights : bool, default True
         Average the returned weights over the heads.
-    is_causal : bool, default False
-        Without ``attn_mask``: query i may attend key j only if ``j <= i`` (top-left aligned,
-        over the keys before ``bias_k``/``add_zero_attn`` positions, which stay visible).
-        With ``attn_mask``: ignored, the mask is used as given.
+    is_causal : {False, True, "top_left", "bottom_right"}, default False
+        Without ``attn_mask``: query i may attend key j only if ``j <= i`` (True or
+        "top_left"), or ``j <= i + S - L`` ("bottom_right"), over the keys before the
+        ``bias_k``/``add_zero_attn`` positions, which stay visible. With ``attn_mask``:
+        ignored, the mask is used as given.
     batch_first : bool, keyword-only, default False
         Batched inputs and output are ``(N, L, E)`` instead of ``(L, N, E)``.
 
@@ -471,8 +528,9 @@ def multi_head_attention_forward(
                 f"attn_mask has shape {mask_bias.shape}, expected one of {allowed_shapes}"
             )
         bias = bias + mask_bias
-    elif is_causal:
-        bias = bias + _causal_bias(tgt_len, base_src_len, dtype)
+    elif _causal_alignment(is_causal)[0]:
+        bottom_right = _causal_alignment(is_causal)[1]
+        bias = bias + _causal_bias(tgt_len, base_src_len, dtype, bottom_right)
     if key_padding_mask is not None:
         pad_bias = _mask_to_bias(
             key_padding_mask, "key_padding_mask", dtype, true_means_masked=True
@@ -514,3 +572,74 @@ def multi_head_attention_forward(
     if not need_weights:
         return attn_output, None
     return attn_output, np.ascontiguousarray(weights, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# cached_attention
+# ---------------------------------------------------------------------------------------------
+
+
+def cached_attention(query, key, value, key_lengths, query_lengths=None, scale=None, window=None):
+    """Reference attention of each sequence's newest tokens over its cached keys.
+
+    Sequence ``b`` holds ``key_lengths[b]`` keys and values (the first positions of ``key``
+    and ``value``; the rest is never read) and has ``query_lengths[b]`` valid query tokens
+    (the first ones of ``query``), which are its newest tokens: this is
+    :func:`scaled_dot_product_attention` of those queries over those keys with
+    ``is_causal="bottom_right"``, one sequence at a time. Query rows past
+    ``query_lengths[b]`` are zeros.
+
+    Parameters
+    ----------
+    query : array_like, shape ``(B, Hq, T, E)``
+        Queries; ``Hq`` a multiple of ``Hk`` (grouped-query attention).
+    key : array_like, shape ``(B, Hk, S, E)``
+        Key storage (``S`` at least every ``key_lengths[b]``).
+    value : array_like, shape ``(B, Hk, S, Ev)``
+        Value storage.
+    key_lengths : array_like of int, shape ``(B,)``
+        Keys held per sequence, in ``[0, S]``.
+    query_lengths : array_like of int, shape ``(B,)``, optional
+        Valid query tokens per sequence, in ``[0, T]``; default ``T``.
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    window : tuple (left, right), optional
+        As in :func:`scaled_dot_product_attention` (bottom-right aligned).
+
+    Returns
+    -------
+    ndarray, shape ``(B, Hq, T, Ev)``
+        In the compute dtype of ``query``.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not fit, or lengths out of range.
+    """
+    dtype = _compute_dtype(query)
+    q = _as_float(query, dtype, "query")
+    k = _as_float(key, dtype, "key")
+    v = _as_float(value, dtype, "value")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"query, key and value must be 4-D, got {q.shape}, {k.shape}, {v.shape}")
+    batch, _, tgt_len, _ = q.shape
+    src_len = k.shape[2]
+    key_lengths = np.asarray(key_lengths)
+    query_lengths = (
+        np.full(batch, tgt_len) if query_lengths is None else np.asarray(query_lengths)
+    )
+    if key_lengths.shape != (batch,) or query_lengths.shape != (batch,):
+        raise ValueError(f"key_lengths and query_lengths must have shape ({batch},)")
+    if np.any(key_lengths < 0) or np.any(key_lengths > src_len):
+        raise ValueError(f"key_lengths must be in [0, {src_len}], got {key_lengths}")
+    if np.any(query_lengths < 0) or np.any(query_lengths > tgt_len):
+        raise ValueError(f"query_lengths must be in [0, {tgt_len}], got {query_lengths}")
+
+    output = np.zeros(q.shape[:3] + v.shape[3:], dtype=dtype)
+    for b in range(batch):
+        n, m = int(query_lengths[b]), int(key_lengths[b])
+        output[b, :, :n] = scaled_dot_product_attention(
+            q[b, :, :n], k[b, :, :m], v[b, :, :m], is_causal="bottom_right", scale=scale,
+            enable_gqa=True, window=window,
+        )
+    return output
