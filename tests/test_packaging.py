@@ -66,12 +66,17 @@ def _split_top_level(text: str) -> list:
 
 
 def _extension_signature(function) -> tuple:
-    """(parameter names, return type) from pybind11's signature line, e.g. ``f(a: int) -> bool``."""
+    """(positional names, keyword-only names, return type) from pybind11's signature line,
+    e.g. ``f(a: int, *, b: bool = False) -> bool``."""
     line = function.__doc__.splitlines()[0]
     match = re.fullmatch(rf"{function.__name__}\((.*)\) -> (.+)", line)
     assert match, f"unexpected pybind11 signature line: {line!r}"
-    names = [part.split(":")[0].strip() for part in _split_top_level(match.group(1))]
-    return names, match.group(2).strip()
+    names = [part.split(":")[0].split("=")[0].strip() for part in _split_top_level(match.group(1))]
+    keyword_only = []
+    if "*" in names:
+        star = names.index("*")
+        names, keyword_only = names[:star], names[star + 1 :]
+    return names, keyword_only, match.group(2).strip()
 
 
 def _extension_functions() -> dict:
@@ -86,9 +91,10 @@ def test_stub_has_exactly_the_extensions_functions():
 @pytest.mark.parametrize("name", sorted(_extension_functions()))
 def test_stub_signature_matches_the_extension(name):
     stub = _stub_functions()[name]
-    names, returns = _extension_signature(_extension_functions()[name])
+    names, keyword_only, returns = _extension_signature(_extension_functions()[name])
     assert [arg.arg for arg in stub.args.args] == names
-    assert not stub.args.vararg and not stub.args.kwarg and not stub.args.kwonlyargs
+    assert [arg.arg for arg in stub.args.kwonlyargs] == keyword_only
+    assert not stub.args.vararg and not stub.args.kwarg
     # Plain return types must agree; pybind11 says `object` where the stub is more precise.
     stub_returns = ast.unparse(stub.returns)
     if returns in ("None", "bool", "int", "str", "float"):

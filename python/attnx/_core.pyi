@@ -14,6 +14,12 @@ def sdpa(
     scale: float,
     out: npt.NDArray[np.floating],
     weights: npt.NDArray[np.floating] | None,
+    *,
+    bottom_right: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    key_lengths: npt.NDArray[np.int64] | None = None,
+    query_lengths: npt.NDArray[np.int64] | None = None,
 ) -> None: ...
 def sdpa_plain(
     query: object, key: object, value: object, causal: bool
@@ -42,6 +48,14 @@ def mha(
     out: npt.NDArray[np.floating],
     weights: npt.NDArray[np.floating] | None,
     average_weights: bool,
+    *,
+    bottom_right: bool = False,
+) -> None: ...
+def linear(
+    x: npt.NDArray[np.floating],
+    w: npt.NDArray[np.floating],
+    b: npt.NDArray[np.floating] | None,
+    out: npt.NDArray[np.floating],
 ) -> None: ...
 def select_isa(requested: str) -> None: ...
 def active_isa() -> str: ...
