@@ -123,11 +123,12 @@ void mha_forward(const MhaArgs<T>& a) {
   Buffer<T> per_head_weights;
   SdpaArgs<T> sdpa;
   sdpa.query = heads_view<const T>(q_storage.data(), N, L, E, H);
-  sdpa.key = keys;
-  sdpa.value = values;
+  sdpa.key = StoredView<T>::of(keys);
+  sdpa.value = StoredView<T>::of(values);
   for (int m = 0; m < kMaxMasks; ++m) sdpa.masks[m] = a.masks[m];
   sdpa.mask_cols = S_src;
-  sdpa.causal = a.causal;
+  sdpa.range.causal = a.causal;
+  sdpa.range.bottom_right = a.bottom_right;
   sdpa.scale = T(1) / std::sqrt(T(hd));
   sdpa.out = heads_view<T>(attn_storage.data(), N, L, E, H);
   if (a.weights) {

@@ -6,7 +6,7 @@
 //   m = -inf, l = 0, O = 0                                  per query lane
 //   for each key block Kb, Vb the tile may attend:
 //     St = Kb . Qt              (keys x queries: lanes are queries)      (1)
-//     close masked / causal entries: St = -inf by selection              (2)
+//     close masked / out-of-band entries: St = -inf by selection         (2)
 //     online softmax down each column: m, l, alpha; St = exp(St - m)     (3)
 //     O = diag(alpha) O + St^T . Vb                                      (4)
 //   out = O / l, or 0 for a query with no open key                       (5)
@@ -16,14 +16,22 @@
 // Row path, for few queries per head and for the weights: each query row
 // against key blocks with the row kernels (dot, axpy); with weights, each
 // row's probabilities are written to the weights, then out = p.V. Without
-// weights, long key sequences are split into chunks of kKeyChunk keys, one
-// task each, whose softmax states (m, l, acc) are merged in chunk order:
-// decoding (one query, many keys) then uses every core.
+// weights, the rows of the query heads that share a key head are taken
+// together (each block of keys and values is read once per group), and long
+// key sequences are split into chunks of kKeyChunk keys, one task each,
+// whose softmax states (m, l, acc) are merged in chunk order: decoding (one
+// query, many keys) then uses every core.
+//
+// Key range: each row may attend a band of keys (causal, sliding window,
+// per-batch key lengths; see KeyRange). Blocks outside every band of a task
+// are skipped and never read; only blocks a band end crosses are masked.
+// Keys and values stored as 16-bit floats are widened block by block.
 //
 // Each output row is computed by one thread in a fixed order, so results do
 // not depend on the thread count.
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "attention/softmax_rules.h"
@@ -40,36 +48,115 @@ constexpr int64_t kQueryBlock = 32;   // rows per task on the row path
 constexpr int64_t kKeyBlock = 128;    // keys per block on the row path
 constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multiple of kKeyBlock)
 
+// Rows of one (b, head) of the keys or the values, as T: read in place, or
+// widened from 16-bit storage into a buffer one block at a time.
+template <typename T>
+struct RowReader {
+  const T* native = nullptr;
+  const uint16_t* bits = nullptr;
+  int64_t ld = 0, dim = 0;
+  void (*widen)(const uint16_t*, int64_t, float*) = nullptr;
+
+  // Rows [j0, j0 + n); sets row_stride. buf holds n * dim values.
+  const T* rows(int64_t j0, int64_t n, T* buf, int64_t& row_stride) const {
+    if (!bits) {
+      row_stride = ld;
+      return native + j0 * ld;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      const uint16_t* src = bits + j0 * ld;
+      if (ld == dim) {
+        widen(src, n * dim, buf);
+      } else {
+        for (int64_t j = 0; j < n; ++j) widen(src + j * ld, dim, buf + j * dim);
+      }
+    }
+    row_stride = dim;
+    return buf;
+  }
+};
+
+template <typename T>
+RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_t b, int64_t h) {
+  RowReader<T> r;
+  r.ld = v.stride(2);
+  r.dim = v.shape(3);
+  if (v.storage == Storage::kNative) {
+    r.native = v.native.at(b, h);
+  } else if constexpr (std::is_same_v<T, float>) {
+    r.bits = v.bits.at(b, h);
+    r.widen = v.storage == Storage::kFloat16 ? kt.widen_float16 : kt.widen_bfloat16;
+  }
+  return r;
+}
+
+template <typename T>
+int64_t key_length(const SdpaArgs<T>& a, int64_t b) {
+  return a.range.key_lengths ? a.range.key_lengths[b] : a.mask_cols;
+}
+
+template <typename T>
+int64_t query_length(const SdpaArgs<T>& a, int64_t b) {
+  return a.range.query_lengths ? a.range.query_lengths[b] : a.query.shape[2];
+}
+
+// The source keys [lo, hi) a row may attend, masks aside (see KeyRange).
+// hi <= the key length always; an empty band has lo == hi. Over the rows of
+// one batch both ends only move right, padding rows aside.
+struct Band {
+  int64_t lo = 0, hi = 0;
+  bool empty() const { return hi <= lo; }
+};
+
+template <typename T>
+Band row_band(const SdpaArgs<T>& a, int64_t b, int64_t i) {
+  const KeyRange& r = a.range;
+  const int64_t klen = key_length(a, b), qlen = query_length(a, b);
+  if (i >= qlen) return {0, 0};
+  Band band{0, klen};
+  if (r.banded()) {
+    const int64_t diagonal = i + (r.bottom_right ? klen - qlen : 0);
+    if (r.causal) band.hi = std::min(band.hi, diagonal + 1);
+    if (r.window_right >= 0) band.hi = std::min(band.hi, diagonal + r.window_right + 1);
+    if (r.window_left >= 0) band.lo = std::min(klen, std::max(band.lo, diagonal - r.window_left));
+  }
+  band.hi = std::max(band.hi, band.lo);
+  return band;
+}
+
 // What masking found in a range of keys.
 struct KeyStates {
   bool any_open = false;
   bool any_closed = false;
 };
 
-// Applies the masks and the causal rule to the scores of query row i against
-// keys [j0, j0 + n). A closed key (a mask value of -inf, or above the causal
-// diagonal) gets the score -inf by selection, not addition, so that a NaN in
-// its key cannot reach this row.
+// Applies the key range and the masks to the scores of query row i against
+// keys [j0, j0 + n). A closed key (outside the row's band, or a mask value of
+// -inf) gets the score -inf by selection, not addition, so that a NaN in its
+// key cannot reach this row.
 template <typename T>
 KeyStates apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j0,
                       int64_t n, T* s) {
   const int64_t end = j0 + n;
-  const int64_t masked_end = std::min(end, a.mask_cols);  // keys past it are always open
-  const int64_t causal_end = a.causal ? std::min(masked_end, std::max(j0, i + 1)) : masked_end;
-  for (int64_t j = causal_end; j < masked_end; ++j) s[j - j0] = kNegInf<T>;
+  const int64_t masked_end = std::clamp(a.mask_cols, j0, end);  // keys past it are always open
+  const Band band = row_band(a, b, i);
+  int64_t open_begin = std::max(j0, band.lo), open_end = std::min(masked_end, band.hi);
+  if (open_end < open_begin) open_begin = open_end = j0;
+  for (int64_t j = j0; j < open_begin; ++j) s[j - j0] = kNegInf<T>;
+  for (int64_t j = open_end; j < masked_end; ++j) s[j - j0] = kNegInf<T>;
   KeyStates states;
   states.any_open = masked_end < end;
-  states.any_closed = causal_end < masked_end;
+  states.any_closed = open_begin > j0 || open_end < masked_end;
   const T* rows[kMaxMasks];
   int64_t steps[kMaxMasks];
   int count = 0;
   for (const auto& mask : a.masks)
     if (mask.present()) rows[count] = mask.at(b, h, i), steps[count++] = mask.stride[3];
   if (count == 0) {
-    states.any_open = states.any_open || causal_end > j0;
+    states.any_open = states.any_open || open_end > open_begin;
     return states;
   }
-  for (int64_t j = j0; j < causal_end; ++j) {
+  for (int64_t j = open_begin; j < open_end; ++j) {
     // The masks are summed before they are added, as torch merges them.
     bool open = true;
     T added = 0;
@@ -85,11 +172,12 @@ KeyStates apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int
   return states;
 }
 
-// Whether query i may not attend key j (a mask value of -inf, or causal).
+// Whether query i may not attend key j (outside its band, or masked).
 template <typename T>
 bool key_closed(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (j >= a.mask_cols) return false;
-  if (a.causal && j > i) return true;
+  const Band band = row_band(a, b, i);
+  if (j < band.lo || j >= band.hi) return true;
   for (const auto& mask : a.masks)
     if (mask.present() && mask.at(b, h, i)[j * mask.stride[3]] == kNegInf<T>) return true;
   return false;
@@ -120,38 +208,63 @@ void accumulate_values(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
     if (!key_closed(a, b, h, i, j0 + j)) kt.accumulate_pv(p + j, v + j * ldv, ldv, 1, Ev, acc);
 }
 
-// Row path over keys [j_begin, j_end). With `partial` null it writes the
-// output rows; otherwise each row's state (m, l, open, acc[Ev]) goes to
-// partial + r * partial_stride, to be merged with the other key chunks.
+// Scratch of one row-path task.
 template <typename T>
-void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h, int64_t i0,
-                int64_t i1, int64_t j_begin, int64_t j_end, T* scratch, T* partial,
-                int64_t partial_stride) {
-  const int64_t E = a.query.shape[3], Ev = a.value.shape[3];
-  const int64_t kv_head = h / (a.query.shape[1] / a.key.shape[1]);
-  const int64_t rows = i1 - i0;
+size_t rows_scratch_size(int64_t E, int64_t Ev) {
+  return size_t(kQueryBlock * (kKeyBlock + Ev + 2) + kKeyBlock * (E + Ev));
+}
+
+// Row path over keys [j_begin, j_end) for rows [r0, r1) of one (b, key
+// head): row r is query row r % L of query head kv_head * group + r / L, so
+// the query heads that share a key head (grouped-query attention) read each
+// block of keys and values once. With `states` null it writes the output
+// rows; otherwise each row's softmax state (m, l, open, acc[Ev]) goes to its
+// slot for key chunk `chunk` of `chunks`, to be merged afterwards.
+template <typename T>
+void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t kv_head,
+                int64_t r0, int64_t r1, int64_t j_begin, int64_t j_end, T* scratch, T* states,
+                int64_t chunks, int64_t chunk) {
+  const int64_t Hq = a.query.shape[1], L = a.query.shape[2], E = a.query.shape[3];
+  const int64_t Ev = a.value.shape(3), group = Hq / a.key.shape(1);
+  const int64_t rows = r1 - r0;
   T* tile = scratch;                      // rows x kKeyBlock scores
   T* acc = tile + rows * kKeyBlock;       // rows x Ev
   T* m = acc + rows * Ev;                 // rows
   T* l = m + rows;                        // rows
+  T* k_buf = l + rows;                    // kKeyBlock x E: widened keys
+  T* v_buf = k_buf + kKeyBlock * E;       // kKeyBlock x Ev: widened values
+  int64_t head[kQueryBlock], row[kQueryBlock];
   bool open[kQueryBlock] = {};            // whether the row has any open key
   std::fill(acc, acc + rows * Ev, T(0));
   std::fill(m, m + rows, kNegInf<T>);
   std::fill(l, l + rows, T(0));
+  // The keys any of the rows may attend: blocks outside are skipped.
+  int64_t lo = a.mask_cols, hi = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    head[r] = kv_head * group + (r0 + r) / L;
+    row[r] = (r0 + r) % L;
+    const Band band = row_band(a, b, row[r]);
+    if (!band.empty()) lo = std::min(lo, band.lo), hi = std::max(hi, band.hi);
+  }
 
-  const T* k_base = a.key.at(b, kv_head);
-  const T* v_base = a.value.at(b, kv_head);
+  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
+  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, j_end - j0);
-    // Causal: a block wholly above the diagonal of every row is skipped.
-    if (a.causal && j0 > i1 - 1 && j0 + n <= a.mask_cols) continue;
+    int64_t start = j0, n = std::min(kKeyBlock, j_end - j0);
+    if (j0 + n <= a.mask_cols) {  // source keys only: cut to the rows' band
+      start = std::max(j0, lo);
+      const int64_t stop = std::min(j0 + n, hi);
+      if (stop <= start) continue;
+      n = stop - start;
+    }
+    int64_t ldk, ldv;
+    const T* kb = keys.rows(start, n, k_buf, ldk);
+    const T* vb = values.rows(start, n, v_buf, ldv);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
       T* s = tile + r * kKeyBlock;
       // (1) scores
-      kt.scores(a.query.at(b, h, i), k_base + j0 * a.key.stride[2], a.key.stride[2], n, E,
-                a.scale, s);
-      const KeyStates states = apply_masks(a, b, h, i, j0, n, s);
+      kt.scores(a.query.at(b, head[r], row[r]), kb, ldk, n, E, a.scale, s);
+      const KeyStates states = apply_masks(a, b, head[r], row[r], start, n, s);
       open[r] = open[r] || states.any_open;
       // (2) new running max and the rescale of what was accumulated
       T block_max = kNegInf<T>;
@@ -165,13 +278,14 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       if (alpha != T(1)) kt.scale(acc_r, Ev, alpha);
       l[r] = alpha * l[r] + block_sum;
       m[r] = m_new;
-      accumulate_values(a, kt, b, h, i, j0, n, states.any_closed, s,
-                        v_base + j0 * a.value.stride[2], a.value.stride[2], Ev, acc_r);
+      accumulate_values(a, kt, b, head[r], row[r], start, n, states.any_closed, s, vb, ldv, Ev,
+                        acc_r);
     }
   }
-  if (partial) {
+  if (states) {
+    const int64_t state_size = Ev + 3;
     for (int64_t r = 0; r < rows; ++r) {
-      T* state = partial + r * partial_stride;
+      T* state = states + (((b * Hq + head[r]) * L + row[r]) * chunks + chunk) * state_size;
       state[0] = m[r], state[1] = l[r], state[2] = open[r] ? T(1) : T(0);
       std::copy_n(acc + r * Ev, Ev, state + 3);
     }
@@ -180,7 +294,7 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   // (4) normalise. A row with no open key is zero; a row with open keys
   // whose scores were all -inf (an Inf in the inputs) is 0/0 = NaN.
   for (int64_t r = 0; r < rows; ++r) {
-    T* o = a.out.at(b, h, i0 + r);
+    T* o = a.out.at(b, head[r], row[r]);
     const T* acc_r = acc + r * Ev;
     if (!open[r]) {
       std::fill(o, o + Ev, T(0));
@@ -215,40 +329,56 @@ void merge_chunks(const T* states, int64_t chunks, int64_t stride, int64_t Ev, T
   for (int64_t d = 0; d < Ev; ++d) out[d] *= inv;
 }
 
+// Rows [i0, i1) of one (b, h) with their probabilities written to the
+// weights. Keys past the batch's key length are not read; their weights are 0.
 template <typename T>
 void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                       int64_t i0, int64_t i1) {
-  const int64_t Hq = a.query.shape[1], L = a.query.shape[2], S = a.key.shape[2];
-  const int64_t E = a.query.shape[3], Ev = a.value.shape[3];
-  const int64_t kv_head = h / (Hq / a.key.shape[1]);
-  const T* k_base = a.key.at(b, kv_head);
-  const T* v_base = a.value.at(b, kv_head);
+                       int64_t i0, int64_t i1, T* scratch) {
+  const int64_t Hq = a.query.shape[1], L = a.query.shape[2], S = a.key.shape(2);
+  const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
+  const int64_t kv_head = h / (Hq / a.key.shape(1));
+  const int64_t S_read = a.range.key_lengths ? a.range.key_lengths[b] : S;
+  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
+  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+  T* k_buf = scratch;                   // kKeyBlock x E
+  T* v_buf = k_buf + kKeyBlock * E;     // kKeyBlock x Ev
   for (int64_t i = i0; i < i1; ++i) {
     T* p = a.weights + ((b * Hq + h) * L + i) * S;
     T* o = a.out.at(b, h, i);
-    kt.scores(a.query.at(b, h, i), k_base, a.key.stride[2], S, E, a.scale, p);
-    const KeyStates states = apply_masks(a, b, h, i, 0, S, p);
+    const T* q = a.query.at(b, h, i);
+    for (int64_t j0 = 0; j0 < S_read; j0 += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, S_read - j0);
+      int64_t ldk;
+      const T* kb = keys.rows(j0, n, k_buf, ldk);
+      kt.scores(q, kb, ldk, n, E, a.scale, p + j0);
+    }
+    std::fill(p + S_read, p + S, T(0));
+    const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
     T row_max = kNegInf<T>;
-    for (int64_t j = 0; j < S; ++j) row_max = max_ignoring_nan(row_max, p[j]);
-    const T sum = kt.exp_shift_sum(p, S, exp_shift(row_max));
+    for (int64_t j = 0; j < S_read; ++j) row_max = max_ignoring_nan(row_max, p[j]);
+    const T sum = kt.exp_shift_sum(p, S_read, exp_shift(row_max));
     std::fill(o, o + Ev, T(0));
     if (!states.any_open) {  // fully masked row
-      std::fill(p, p + S, T(0));
+      std::fill(p, p + S_read, T(0));
       continue;
     }
-    kt.scale(p, S, T(1) / sum);
-    accumulate_values(a, kt, b, h, i, 0, S, states.any_closed, p, v_base, a.value.stride[2], Ev,
-                      o);
+    kt.scale(p, S_read, T(1) / sum);
+    for (int64_t j0 = 0; j0 < S_read; j0 += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, S_read - j0);
+      int64_t ldv;
+      const T* vb = values.rows(j0, n, v_buf, ldv);
+      accumulate_values(a, kt, b, h, i, j0, n, states.any_closed, p + j0, vb, ldv, Ev, o);
+    }
   }
 }
 
-
 // Step (2) of the tile path on a tile of n keys x QT lanes: lanes r < rows
-// are queries i0 + r. Returns whether any entry was closed.
+// are queries i0 + r, whose bands are [lo[r], hi[r]). Returns whether any
+// entry was closed.
 template <typename T>
 bool close_tile(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
-                int64_t n, int qt, T* st, bool* open) {
-  const int64_t masked_end = std::min(j0 + n, a.mask_cols);
+                int64_t n, int qt, const int64_t* lo, const int64_t* hi, T* st, bool* open) {
+  const int64_t masked_end = std::clamp(a.mask_cols, j0, j0 + n);
   if (masked_end < j0 + n) std::fill(open, open + rows, true);  // appended keys are open
   const T* mask_rows[kMaxMasks][kMaxTile];
   int64_t steps[kMaxMasks];
@@ -261,12 +391,16 @@ bool close_tile(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t 
   bool any_closed = false;
   for (int64_t j = j0; j < masked_end; ++j) {
     T* srow = st + (j - j0) * qt;
-    // Causal: lanes whose query precedes key j are closed.
-    const int64_t first_open = a.causal ? std::clamp<int64_t>(j - i0, 0, rows) : 0;
-    for (int64_t r = 0; r < first_open; ++r) srow[r] = kNegInf<T>;
-    any_closed = any_closed || first_open > 0;
+    // The lanes whose band holds key j: both band ends move right with the
+    // lane, so they are one run [first, last).
+    int64_t first = 0, last = rows;
+    while (first < rows && hi[first] <= j) ++first;
+    while (last > first && lo[last - 1] > j) --last;
+    for (int64_t r = 0; r < first; ++r) srow[r] = kNegInf<T>;
+    for (int64_t r = last; r < rows; ++r) srow[r] = kNegInf<T>;
+    any_closed = any_closed || first > 0 || last < rows;
     if (count == 0) continue;
-    for (int64_t r = first_open; r < rows; ++r) {
+    for (int64_t r = first; r < last; ++r) {
       bool is_open = true;
       T added = 0;  // the masks are summed before they are added, as torch merges them
       for (int m = 0; m < count; ++m) {
@@ -295,7 +429,8 @@ int64_t tile_key_block(int qt, int64_t E, int64_t Ev) {
 
 template <typename T>
 size_t tile_scratch_size(int qt, int64_t E, int64_t Ev, int64_t key_block) {
-  return size_t(E * qt + key_block * qt + 2 * qt * Ev + 5 * qt + key_block);
+  return size_t(E * qt + key_block * qt + 2 * qt * Ev + 5 * qt + key_block +
+                key_block * (E + Ev));
 }
 
 // Keys per accumulation chunk of the tile path. Blocks add into a chunk's
@@ -309,13 +444,17 @@ template <typename T>
 void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h, int64_t i0,
                 int64_t key_block, T* scratch) {
   const int qt = kt.query_tile;
-  const int64_t L = a.query.shape[2], S = a.key.shape[2];
-  const int64_t E = a.query.shape[3], Ev = a.value.shape[3];
-  const int64_t rows = std::min<int64_t>(qt, L - i0), i_last = i0 + rows - 1;
-  const int64_t kv_head = h / (a.query.shape[1] / a.key.shape[1]);
-  const int64_t ldk = a.key.stride[2], ldv = a.value.stride[2];
-  const T* k_base = a.key.at(b, kv_head);
-  const T* v_base = a.value.at(b, kv_head);
+  const int64_t L = a.query.shape[2], S = a.key.shape(2);
+  const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
+  const int64_t kv_head = h / (a.query.shape[1] / a.key.shape(1));
+  // Padding rows (past the batch's query length) are zero.
+  const int64_t tile_rows = std::min<int64_t>(qt, L - i0);
+  const int64_t rows = std::clamp<int64_t>(query_length(a, b) - i0, 0, tile_rows);
+  for (int64_t r = rows; r < tile_rows; ++r) {
+    T* out = a.out.at(b, h, i0 + r);
+    std::fill(out, out + Ev, T(0));
+  }
+  if (rows == 0) return;
   T* q_t = scratch;                 // E x qt
   T* st = q_t + E * qt;             // key_block x qt
   T* o = st + key_block * qt;       // qt x Ev
@@ -326,53 +465,72 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   T* o_total = p_row + key_block;   // qt x Ev: the chunks merged so far
   T* l_total = o_total + qt * Ev;   // qt
   T* m_start = l_total + qt;        // qt: the running max when the chunk began
+  T* k_buf = m_start + qt;          // key_block x E: widened keys
+  T* v_buf = k_buf + key_block * E; // key_block x Ev: widened values
+
+  // Each lane's band; the tile's keys are the union [lo[0], hi[rows - 1]).
+  int64_t lo[kMaxTile], hi[kMaxTile];
+  const bool has_masks = a.masks[0].present() || a.masks[1].present();
+  // Without masks a query has an open key when its band holds one or keys
+  // are appended; with masks, openness is found while closing.
+  bool open[kMaxTile];
+  for (int64_t r = 0; r < rows; ++r) {
+    const Band band = row_band(a, b, i0 + r);
+    lo[r] = band.lo, hi[r] = band.hi;
+    open[r] = !has_masks && (!band.empty() || S > a.mask_cols);
+  }
+  const int64_t keys_lo = lo[0], keys_hi = hi[rows - 1];
 
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
   kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
   std::fill(o_total, o_total + qt * Ev, T(0));
   std::fill(l_total, l_total + qt, T(0));
   std::fill(m, m + qt, kNegInf<T>);
-  const bool has_masks = a.masks[0].present() || a.masks[1].present();
-  // Without masks every query has an open key when there is any (causal
-  // always opens key 0); with masks, openness is found while closing.
-  bool open[kMaxTile];
-  std::fill(open, open + qt, !has_masks && S > 0);
+  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
+  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
 
   const int64_t chunk = key_block * std::max<int64_t>(1, kTileChunk / key_block);
   for (int64_t c0 = 0; c0 < S; c0 += chunk) {
     const int64_t c1 = std::min(S, c0 + chunk);
-    if (a.causal && c0 > i_last && c1 <= a.mask_cols) continue;  // above the diagonal
+    if (c1 <= a.mask_cols && (c1 <= keys_lo || c0 >= keys_hi)) continue;  // outside every band
     std::fill(o, o + qt * Ev, T(0));
     std::fill(l, l + qt, T(0));
     std::copy_n(m, qt, m_start);
     for (int64_t j0 = c0; j0 < c1; j0 += key_block) {
-      int64_t n = std::min(key_block, c1 - j0);
-      if (a.causal && j0 + n <= a.mask_cols) {
-        // Causal: keys past the tile's last query are closed for all of it, so
-        // a block above the diagonal is skipped and the diagonal block cut.
-        if (j0 > i_last) continue;
-        n = std::min(n, i_last + 1 - j0);
+      int64_t start = j0, n = std::min(key_block, c1 - j0);
+      if (j0 + n <= a.mask_cols) {
+        // Source keys only: a block outside the tile's keys is skipped, one
+        // across their ends is cut (causal: the diagonal block).
+        start = std::max(j0, keys_lo);
+        const int64_t stop = std::min(j0 + n, keys_hi);
+        if (stop <= start) continue;
+        n = stop - start;
       }
       // (1) scores
-      kt.gemm(n, qt, E, k_base + j0 * ldk, ldk, 1, q_t, qt, st, qt, GemmInit::kZero, nullptr);
-      // (2) masks; only blocks the diagonal crosses need the causal rule
-      const bool on_diagonal = a.causal && j0 + n - 1 > i0 && j0 < a.mask_cols;
+      int64_t ldk, ldv;
+      const T* kb = keys.rows(start, n, k_buf, ldk);
+      kt.gemm(n, qt, E, kb, ldk, 1, q_t, qt, st, qt, GemmInit::kZero, nullptr);
+      // (2) masks; the band rules only where a band end crosses the block
+      const int64_t source_end = std::min(start + n, a.mask_cols);
+      const bool crosses_band = start < source_end && (start < lo[rows - 1] || source_end > hi[0]);
       bool any_closed = false;
-      if (has_masks || on_diagonal) any_closed = close_tile(a, b, h, i0, rows, j0, n, qt, st, open);
+      if (has_masks || crosses_band)
+        any_closed = close_tile(a, b, h, i0, rows, start, n, qt, lo, hi, st, open);
       // (3) online softmax
       kt.softmax_tile(st, n, m, l, alpha);
       // (4) accumulate. A closed key has probability 0, and 0 * NaN would
       // carry a NaN in its value into this row: where keys were closed and
       // the values are not all finite, accumulate row by row, key by key
       // (see accumulate_values).
-      const T* vb = v_base + j0 * ldv;
+      const T* vb = values.rows(start, n, v_buf, ldv);
       if (!any_closed || rows_finite(kt, vb, ldv, n, Ev)) {
         kt.gemm(rows, Ev, n, st, 1, qt, vb, ldv, o, Ev, GemmInit::kScaleRows, alpha);
       } else {
         for (int64_t r = 0; r < rows; ++r) {
           kt.scale(o + r * Ev, Ev, alpha[r]);
           for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
-          accumulate_values(a, kt, b, h, i0 + r, j0, n, true, p_row, vb, ldv, Ev, o + r * Ev);
+          accumulate_values(a, kt, b, h, i0 + r, start, n, true, p_row, vb, ldv, Ev,
+                            o + r * Ev);
         }
       }
     }
@@ -417,26 +575,33 @@ T* calling_thread_scratch(size_t size) {
 template <typename T>
 void sdpa_forward(const SdpaArgs<T>& a) {
   const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
-  const int64_t S = a.key.shape[2], E = a.query.shape[3], Ev = a.value.shape[3];
+  const int64_t Hk = a.key.shape(1), S = a.key.shape(2), E = a.query.shape[3];
+  const int64_t Ev = a.value.shape(3);
   if (B == 0 || Hq == 0 || L == 0 || Ev == 0) return;
   const KernelTable<T>& kt = active_kernels(T());
-  const int nthreads = threads_for(double(B * Hq) * double(L) * double(S) * double(E + Ev));
+  // Keys past every batch's key length are never read.
+  int64_t S_read = S;
+  if (a.range.key_lengths) S_read = *std::max_element(a.range.key_lengths, a.range.key_lengths + B);
+  const int nthreads = threads_for(double(B * Hq) * double(L) * double(S_read) * double(E + Ev));
 
   // The tile path wants most of a tile's lanes busy; fewer queries per head
-  // (decoding) and the weights take the row path.
+  // (decoding) and the weights take the row path. The row path without
+  // weights takes the query rows of all heads that share a key head
+  // together, and splits long key sequences into chunks merged afterwards,
+  // so that one (b, key head) of a decoding step can use every core. The
+  // split depends on the shape only, never on the thread count.
   const bool tiled = !a.weights && L * 4 >= kt.query_tile;
+  const bool grouped = !tiled && !a.weights;
+  const int64_t heads = grouped ? Hk : Hq;
+  const int64_t rows_per_head = grouped ? (Hq / Hk) * L : L;
   const int64_t rows_per_task = tiled ? kt.query_tile : kQueryBlock;
-  const int64_t q_blocks = (L + rows_per_task - 1) / rows_per_task;
-  // The row path splits long key sequences into chunks merged afterwards, so
-  // that one (b, h) of a decoding step can use every core. The split depends
-  // on the shape only, never on the thread count.
-  const int64_t chunks =
-      tiled || a.weights ? 1 : std::max<int64_t>(1, (S + kKeyChunk - 1) / kKeyChunk);
-  const int64_t tasks = B * Hq * q_blocks * chunks;
+  const int64_t q_blocks = (rows_per_head + rows_per_task - 1) / rows_per_task;
+  const int64_t chunks = grouped ? std::max<int64_t>(1, (S_read + kKeyChunk - 1) / kKeyChunk) : 1;
+  const int64_t tasks = B * heads * q_blocks * chunks;
   const int64_t key_block = tile_key_block<T>(kt.query_tile, E, Ev);
   const size_t scratch_per_thread =
       tiled ? tile_scratch_size<T>(kt.query_tile, E, Ev, key_block)
-            : a.weights ? 0 : size_t(kQueryBlock * (kKeyBlock + Ev + 2));
+            : a.weights ? size_t(kKeyBlock * (E + Ev)) : rows_scratch_size<T>(E, Ev);
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
   T* scratch = calling_thread_scratch<T>(size_t(nthreads) * scratch_per_thread);
@@ -449,19 +614,17 @@ void sdpa_forward(const SdpaArgs<T>& a) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t c = t % chunks, qb = (t / chunks) % q_blocks, bh = t / (chunks * q_blocks);
-      const int64_t b = bh / Hq, h = bh % Hq;
-      const int64_t i0 = qb * rows_per_task, i1 = std::min(L, i0 + rows_per_task);
+      const int64_t b = bh / heads, h = bh % heads;
+      const int64_t r0 = qb * rows_per_task, r1 = std::min(rows_per_head, r0 + rows_per_task);
       if (tiled) {
-        flash_tile(a, kt, b, h, i0, key_block, my_scratch);
+        flash_tile(a, kt, b, h, r0, key_block, my_scratch);
       } else if (a.weights) {
-        rows_with_weights(a, kt, b, h, i0, i1);
+        rows_with_weights(a, kt, b, h, r0, r1, my_scratch);
       } else if (chunks == 1) {
-        flash_rows(a, kt, b, h, i0, i1, 0, S, my_scratch, static_cast<T*>(nullptr), 0);
+        flash_rows(a, kt, b, h, r0, r1, 0, S_read, my_scratch, static_cast<T*>(nullptr), 1, 0);
       } else {
-        const int64_t j_begin = c * kKeyChunk, j_end = std::min(S, j_begin + kKeyChunk);
-        T* first_state = states.data() + ((bh * L + i0) * chunks + c) * state_size;
-        flash_rows(a, kt, b, h, i0, i1, j_begin, j_end, my_scratch, first_state,
-                   chunks * state_size);
+        const int64_t j_begin = c * kKeyChunk, j_end = std::min(S_read, j_begin + kKeyChunk);
+        flash_rows(a, kt, b, h, r0, r1, j_begin, j_end, my_scratch, states.data(), chunks, c);
       }
     }
     if (chunks > 1) {

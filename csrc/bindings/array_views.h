@@ -20,8 +20,31 @@ namespace py = pybind11;
 
 std::string shape_string(const py::array& a);
 
-// Checks dtype, rank, alignment and element-multiple strides of `a`; with
-// `contiguous_last`, also that its last dimension is unit-stride.
+// Checks rank, alignment and element-multiple strides of `a`, whose elements
+// are `item` bytes; with `contiguous_last`, also that its last dimension is
+// unit-stride.
+inline void check_layout(const py::array& a, const char* name, int rank, bool contiguous_last,
+                         bool writable, py::ssize_t item) {
+  if (a.ndim() != rank)
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(rank) +
+                          " dimensions, got shape " + shape_string(a));
+  if (writable && !a.writeable())
+    throw py::value_error(std::string(name) + ": the array is read-only");
+  if (reinterpret_cast<std::uintptr_t>(a.data()) % static_cast<std::uintptr_t>(item) != 0)
+    throw py::value_error(std::string(name) + ": the array is not aligned");
+  // The stride of a dimension of extent 1 is never stepped along, so it may be
+  // anything (NumPy calls such an array contiguous whatever that stride is);
+  // view_stride() reads it as 0.
+  for (int d = 0; d < rank; ++d)
+    if (a.shape(d) > 1 && a.strides(d) % item != 0)
+      throw py::value_error(std::string(name) + ": strides are not a multiple of the item size");
+  // An empty array is never read: its strides do not matter (NumPy gives a
+  // broadcast empty array all-zero strides).
+  if (contiguous_last && a.size() > 0 && a.shape(rank - 1) > 1 && a.strides(rank - 1) != item)
+    throw py::value_error(std::string(name) + ": the last dimension must be contiguous");
+}
+
+// check_layout() for an array that must have dtype T.
 template <typename T>
 void check_array(const py::array& a, const char* name, int rank, bool contiguous_last,
                  bool writable) {
@@ -29,24 +52,7 @@ void check_array(const py::array& a, const char* name, int rank, bool contiguous
     throw py::type_error(std::string(name) + ": expected dtype " +
                          std::string(py::str(py::dtype::of<T>())) + ", got " +
                          std::string(py::str(a.dtype())));
-  if (a.ndim() != rank)
-    throw py::value_error(std::string(name) + ": expected " + std::to_string(rank) +
-                          " dimensions, got shape " + shape_string(a));
-  if (writable && !a.writeable())
-    throw py::value_error(std::string(name) + ": the array is read-only");
-  if (reinterpret_cast<std::uintptr_t>(a.data()) % alignof(T) != 0)
-    throw py::value_error(std::string(name) + ": the array is not aligned");
-  // The stride of a dimension of extent 1 is never stepped along, so it may be
-  // anything (NumPy calls such an array contiguous whatever that stride is);
-  // view_stride() reads it as 0.
-  for (int d = 0; d < rank; ++d)
-    if (a.shape(d) > 1 && a.strides(d) % static_cast<py::ssize_t>(sizeof(T)) != 0)
-      throw py::value_error(std::string(name) + ": strides are not a multiple of the item size");
-  // An empty array is never read: its strides do not matter (NumPy gives a
-  // broadcast empty array all-zero strides).
-  if (contiguous_last && a.size() > 0 && a.shape(rank - 1) > 1 &&
-      a.strides(rank - 1) != static_cast<py::ssize_t>(sizeof(T)))
-    throw py::value_error(std::string(name) + ": the last dimension must be contiguous");
+  check_layout(a, name, rank, contiguous_last, writable, static_cast<py::ssize_t>(sizeof(T)));
 }
 
 // The stride of dimension d in elements (0 for an extent-1 dimension, whose

@@ -12,8 +12,10 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "attention/projection.h"
 #include "attnx/attention.h"
 #include "bindings/array_views.h"
 
@@ -80,19 +82,69 @@ StridedView<const T, 4> batched_mask_view(const py::array& mask, const char* nam
   return v;
 }
 
+// Keys or values: an array of T, or, for a float32 call, of float16 or
+// bfloat16 (read in place and widened as they are loaded).
+template <typename T>
+StoredView<T> stored_view(const py::array& a, const char* name) {
+  const py::dtype dt = a.dtype();
+  if constexpr (std::is_same_v<T, float>) {
+    const bool float16 = dt.kind() == 'f' && dt.itemsize() == 2;
+    // ml_dtypes' bfloat16 is a 2-byte type of its own, known by its name.
+    const bool bfloat16 = dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16";
+    if ((float16 || bfloat16) && dt.attr("isnative").template cast<bool>()) {
+      check_layout(a, name, 4, true, false, 2);
+      StoredView<T> v;
+      v.storage = float16 ? Storage::kFloat16 : Storage::kBFloat16;
+      v.bits.data = static_cast<const uint16_t*>(a.data());
+      for (int d = 0; d < 4; ++d) {
+        v.bits.shape[d] = a.shape(d);
+        v.bits.stride[d] = a.shape(d) > 1 ? a.strides(d) / 2 : 0;
+      }
+      return v;
+    }
+  }
+  return StoredView<T>::of(const_view<T, 4>(a, name));
+}
+
+// Per-batch lengths: a C-contiguous int64 vector of B values in [0, limit].
+const int64_t* lengths_data(const OptArray& a, const char* name, int64_t B, int64_t limit) {
+  if (!a) return nullptr;
+  const int64_t* data = vector_data<int64_t>(a, name, B);
+  for (int64_t b = 0; b < B; ++b)
+    if (data[b] < 0 || data[b] > limit)
+      throw py::value_error(std::string(name) + ": " + std::to_string(data[b]) + " at index " +
+                            std::to_string(b) + " is outside [0, " + std::to_string(limit) + "]");
+  return data;
+}
+
+// A window extent: < 0 unbounded; extents past `limit` mean the same as it.
+int64_t window_extent(int64_t w, int64_t limit) { return w < 0 ? -1 : std::min(w, limit); }
+
 template <typename T>
 void sdpa_typed(const py::array& query, const py::array& key, const py::array& value,
                 const OptArray& attn_mask, bool causal, double scale, py::array& out,
-                OptArray& weights) {
+                OptArray& weights, bool bottom_right, int64_t window_left, int64_t window_right,
+                const OptArray& key_lengths, const OptArray& query_lengths) {
   SdpaArgs<T> a;
   a.query = const_view<T, 4>(query, "query");
-  a.key = const_view<T, 4>(key, "key");
-  a.value = const_view<T, 4>(value, "value");
+  a.key = stored_view<T>(key, "key");
+  a.value = stored_view<T>(value, "value");
   const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
-  const int64_t E = a.query.shape[3], Hk = a.key.shape[1], S = a.key.shape[2];
-  const int64_t Ev = a.value.shape[3];
-  require_shape(a.key, "key", {B, Hk, S, E});
-  require_shape(a.value, "value", {B, Hk, S, Ev});
+  const int64_t E = a.query.shape[3], Hk = a.key.shape(1), S = a.key.shape(2);
+  const int64_t Ev = a.value.shape(3);
+  const auto require = [](const StoredView<T>& v, const char* name,
+                          std::initializer_list<int64_t> expected) {
+    int d = 0;
+    for (int64_t extent : expected) {
+      if (v.shape(d) != extent)
+        throw py::value_error(std::string(name) + ": dimension " + std::to_string(d) + " is " +
+                              std::to_string(v.shape(d)) + ", expected " +
+                              std::to_string(extent));
+      ++d;
+    }
+  };
+  require(a.key, "key", {B, Hk, S, E});
+  require(a.value, "value", {B, Hk, S, Ev});
   if (Hq > 0 && (Hk == 0 || Hq % Hk != 0))
     throw py::value_error("query heads (" + std::to_string(Hq) +
                           ") must be a multiple of key heads (" + std::to_string(Hk) + ")");
@@ -103,13 +155,43 @@ void sdpa_typed(const py::array& query, const py::array& key, const py::array& v
   }
   if (!std::isfinite(scale)) throw py::value_error("scale must be finite");
   a.mask_cols = S;
-  a.causal = causal;
+  a.range.causal = causal;
+  a.range.bottom_right = bottom_right;
+  a.range.window_left = window_extent(window_left, S + L);
+  a.range.window_right = window_extent(window_right, S + L);
+  a.range.key_lengths = lengths_data(key_lengths, "key_lengths", B, S);
+  a.range.query_lengths = lengths_data(query_lengths, "query_lengths", B, L);
   a.scale = static_cast<T>(scale);
   a.out = mutable_view<T, 4>(out, "out");
   require_shape(a.out, "out", {B, Hq, L, Ev});
   a.weights = contiguous_output<T>(weights, "weights", {B, Hq, L, S});
   py::gil_scoped_release release;
   sdpa_forward(a);
+}
+
+// out = x . w^T + b.
+template <typename T>
+void linear_typed(const py::array& x, const py::array& w, const OptArray& b, py::array& out) {
+  StridedView<const T, 3> x3;
+  const StridedView<const T, 2> x2 = const_view<T, 2>(x, "x");
+  x3.data = x2.data;
+  x3.shape[0] = 1, x3.shape[1] = x2.shape[0], x3.shape[2] = x2.shape[1];
+  x3.stride[0] = 0, x3.stride[1] = x2.stride[0], x3.stride[2] = 1;
+  const RowMajorView<const T> wv = matrix_view<T>(w, "w");
+  if (wv.cols != x2.shape[1])
+    throw py::value_error("w: shape " + shape_string(w) + " does not match x " + shape_string(x));
+  const T* bias = vector_data<T>(b, "b", wv.rows);
+  const StridedView<T, 2> o2 = mutable_view<T, 2>(out, "out");
+  if (o2.shape[0] != x2.shape[0] || o2.shape[1] != wv.rows)
+    throw py::value_error("out: shape " + shape_string(out) + ", expected (" +
+                          std::to_string(x2.shape[0]) + ", " + std::to_string(wv.rows) + ")");
+  StridedView<T, 3> o3;
+  o3.data = o2.data;
+  o3.shape[0] = 1, o3.shape[1] = o2.shape[0], o3.shape[2] = o2.shape[1];
+  o3.stride[0] = 0, o3.stride[1] = o2.stride[0], o3.stride[2] = 1;
+  if (x2.shape[0] == 0 || wv.rows == 0) return;
+  py::gil_scoped_release release;
+  linear_forward(x3, wv, bias, o3);
 }
 
 template <typename T>
@@ -119,7 +201,8 @@ void mha_typed(int64_t num_heads, const py::array& query, const py::array& key,
                const OptArray& bias_k, const OptArray& bias_v, bool add_zero_attn,
                const OptArray& static_k, const OptArray& static_v, const OptArray& attn_mask,
                const OptArray& key_padding_mask, bool causal, const py::array& w_out,
-               const OptArray& b_out, py::array& out, OptArray& weights, bool average_weights) {
+               const OptArray& b_out, py::array& out, OptArray& weights, bool average_weights,
+               bool bottom_right) {
   MhaArgs<T> a;
   a.query = const_view<T, 3>(query, "query");
   a.key = const_view<T, 3>(key, "key");
@@ -166,6 +249,7 @@ void mha_typed(int64_t num_heads, const py::array& query, const py::array& key,
   for (const auto& mask : a.masks)
     if (mask.present()) require_shape(mask, "mask", {N, H, L, S_k});
   a.causal = causal;
+  a.bottom_right = bottom_right;
   a.out = mutable_view<T, 3>(out, "out");
   require_shape(a.out, "out", {N, L, a.w_out.rows});
   const int64_t Sp = S_k + (a.bias_k ? 1 : 0) + (add_zero_attn ? 1 : 0);
@@ -202,10 +286,10 @@ py::object sdpa_plain_typed(const py::array& q, const py::array& k, const py::ar
   py::array_t<T> out({B, H, L, v.shape(3)});
   SdpaArgs<T> a;
   a.query = const_view<T, 4>(q, "query");
-  a.key = const_view<T, 4>(k, "key");
-  a.value = const_view<T, 4>(v, "value");
+  a.key = StoredView<T>::of(const_view<T, 4>(k, "key"));
+  a.value = StoredView<T>::of(const_view<T, 4>(v, "value"));
   a.mask_cols = k.shape(2);
-  a.causal = causal;
+  a.range.causal = causal;
   a.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(E)));
   py::array out_array = out;
   a.out = mutable_view<T, 4>(out_array, "out");
@@ -222,17 +306,39 @@ void register_attention(py::module_& m) {
   m.def(
       "sdpa",
       [](const py::array& query, const py::array& key, const py::array& value,
-         const OptArray& attn_mask, bool causal, double scale, py::array& out, OptArray weights) {
+         const OptArray& attn_mask, bool causal, double scale, py::array& out, OptArray weights,
+         bool bottom_right, int64_t window_left, int64_t window_right,
+         const OptArray& key_lengths, const OptArray& query_lengths) {
         if (is_dtype(query, py::dtype::of<float>()))
-          sdpa_typed<float>(query, key, value, attn_mask, causal, scale, out, weights);
+          sdpa_typed<float>(query, key, value, attn_mask, causal, scale, out, weights,
+                            bottom_right, window_left, window_right, key_lengths, query_lengths);
         else if (is_dtype(query, py::dtype::of<double>()))
-          sdpa_typed<double>(query, key, value, attn_mask, causal, scale, out, weights);
+          sdpa_typed<double>(query, key, value, attn_mask, causal, scale, out, weights,
+                             bottom_right, window_left, window_right, key_lengths, query_lengths);
         else
           throw py::type_error("query: expected float32 or float64");
       },
       py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
-      py::arg("causal"), py::arg("scale"), py::arg("out"), py::arg("weights"),
-      "Scaled dot-product attention on canonical (B, H, L, E) views.");
+      py::arg("causal"), py::arg("scale"), py::arg("out"), py::arg("weights"), py::kw_only(),
+      py::arg("bottom_right") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+      py::arg("key_lengths") = py::none(), py::arg("query_lengths") = py::none(),
+      "Scaled dot-product attention on canonical (B, H, L, E) views. key and value may be\n"
+      "float16 or bfloat16 for a float32 query. Row i of batch b attends key j < klen_b,\n"
+      "with causal: j <= i + d; window_left >= 0: j >= i + d - window_left; window_right >= 0:\n"
+      "j <= i + d + window_right; d = klen_b - qlen_b with bottom_right, else 0;\n"
+      "klen_b = key_lengths[b] or S, qlen_b = query_lengths[b] or L (rows past it are zero).");
+  m.def(
+      "linear",
+      [](const py::array& x, const py::array& w, const OptArray& b, py::array& out) {
+        if (is_dtype(x, py::dtype::of<float>()))
+          linear_typed<float>(x, w, b, out);
+        else if (is_dtype(x, py::dtype::of<double>()))
+          linear_typed<double>(x, w, b, out);
+        else
+          throw py::type_error("x: expected float32 or float64");
+      },
+      py::arg("x"), py::arg("w"), py::arg("b"), py::arg("out"),
+      "out = x . w^T + b for x (N, K), w (M, K), b (M,) or None, out (N, M).");
   m.def(
       "sdpa_plain",
       [](const py::handle& query, const py::handle& key, const py::handle& value,
@@ -257,16 +363,17 @@ void register_attention(py::module_& m) {
          const OptArray& bias_v, bool add_zero_attn, const OptArray& static_k,
          const OptArray& static_v, const OptArray& attn_mask, const OptArray& key_padding_mask,
          bool causal, const py::array& w_out, const OptArray& b_out, py::array& out,
-         OptArray weights, bool average_weights) {
+         OptArray weights, bool average_weights, bool bottom_right) {
         if (is_dtype(query, py::dtype::of<float>()))
           mha_typed<float>(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k,
                            bias_v, add_zero_attn, static_k, static_v, attn_mask,
-                           key_padding_mask, causal, w_out, b_out, out, weights, average_weights);
+                           key_padding_mask, causal, w_out, b_out, out, weights, average_weights,
+                           bottom_right);
         else if (is_dtype(query, py::dtype::of<double>()))
           mha_typed<double>(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k,
                             bias_v, add_zero_attn, static_k, static_v, attn_mask,
                             key_padding_mask, causal, w_out, b_out, out, weights,
-                            average_weights);
+                            average_weights, bottom_right);
         else
           throw py::type_error("query: expected float32 or float64");
       },
@@ -275,7 +382,7 @@ void register_attention(py::module_& m) {
       py::arg("bias_k"), py::arg("bias_v"), py::arg("add_zero_attn"), py::arg("static_k"),
       py::arg("static_v"), py::arg("attn_mask"), py::arg("key_padding_mask"), py::arg("causal"),
       py::arg("w_out"), py::arg("b_out"), py::arg("out"), py::arg("weights"),
-      py::arg("average_weights"),
+      py::arg("average_weights"), py::kw_only(), py::arg("bottom_right") = false,
       "Multi-head attention forward on canonical (N, L, E) views.");
 }
 

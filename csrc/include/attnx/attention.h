@@ -15,17 +15,61 @@ namespace attnx {
 // score), broadcast to (B, Hq, L, mask_cols) through their strides.
 inline constexpr int kMaxMasks = 2;
 
+// How keys and values are stored. A float32 call may read them as 16-bit
+// floats, widened to float32 as each block is loaded: a float16 KV cache is
+// then read at half the bytes and never copied.
+enum class Storage : uint8_t { kNative, kFloat16, kBFloat16 };
+
+// Keys or values, (B, H, S, D) with the last dim contiguous: elements of T,
+// or 16-bit floats (T = float only).
+template <typename T>
+struct StoredView {
+  StridedView<const T, 4> native;       // when storage == kNative
+  StridedView<const uint16_t, 4> bits;  // otherwise
+  Storage storage = Storage::kNative;
+
+  static StoredView of(const StridedView<const T, 4>& v) {
+    StoredView s;
+    s.native = v;
+    return s;
+  }
+  int64_t shape(int d) const { return storage == Storage::kNative ? native.shape[d] : bits.shape[d]; }
+  int64_t stride(int d) const {
+    return storage == Storage::kNative ? native.stride[d] : bits.stride[d];
+  }
+};
+
+// Which keys a query row may attend, besides what the masks say. Row i of
+// batch b may attend key j iff j < klen and, where set, the causal and window
+// rules hold around its diagonal key i + d:
+//   causal:        j <= i + d
+//   window_left:   j >= i + d - window_left
+//   window_right:  j <= i + d + window_right
+// with d = 0 (top-left) or klen - qlen (bottom-right), klen = key_lengths[b]
+// (or mask_cols) and qlen = query_lengths[b] (or L). Rows i >= qlen are
+// padding: their output is zero. Keys at or past klen are never read.
+struct KeyRange {
+  bool causal = false;
+  bool bottom_right = false;
+  int64_t window_left = -1;   // < 0: unbounded
+  int64_t window_right = -1;  // < 0: unbounded
+  const int64_t* key_lengths = nullptr;    // (B), each in [0, S]; needs mask_cols == S
+  const int64_t* query_lengths = nullptr;  // (B), each in [0, L]
+
+  bool banded() const { return causal || window_left >= 0 || window_right >= 0; }
+};
+
 template <typename T>
 struct SdpaArgs {
   StridedView<const T, 4> query;  // (B, Hq, L, E), last dim contiguous
-  StridedView<const T, 4> key;    // (B, Hk, S, E), last dim contiguous
-  StridedView<const T, 4> value;  // (B, Hk, S, Ev), last dim contiguous; Hq % Hk == 0
+  StoredView<T> key;    // (B, Hk, S, E)
+  StoredView<T> value;  // (B, Hk, S, Ev); Hq % Hk == 0
   StridedView<const T, 4> masks[kMaxMasks];  // absent when data == nullptr
-  // The masks and the causal rule cover keys [0, mask_cols). Keys past it
+  // The masks and the key range cover keys [0, mask_cols). Keys past it
   // (the bias_k and zero-attention keys multi-head attention appends) are
   // always attended, as torch pads its masks with zeros for them.
   int64_t mask_cols = 0;
-  bool causal = false;  // top-left: query i attends key j <= i
+  KeyRange range;
   T scale = 1;
   StridedView<T, 4> out;  // (B, Hq, L, Ev), last dim contiguous
   // Optional attention probabilities, C-contiguous (B, Hq, L, S).
@@ -51,7 +95,8 @@ struct MhaArgs {
   StridedView<const T, 4> static_k;  // (N, H, S_static, E/H): replaces projected keys
   StridedView<const T, 4> static_v;
   StridedView<const T, 4> masks[kMaxMasks];  // (N, H, L, S_src) additive
-  bool causal = false;  // top-left over the S_src source keys
+  bool causal = false;        // over the S_src source keys
+  bool bottom_right = false;  // causal diagonal: key i + S_src - L (else key i)
   RowMajorView<const T> w_out;  // (E_out, E)
   const T* b_out = nullptr;     // (E_out)
   StridedView<T, 3> out;  // (N, L, E_out), last dim contiguous

@@ -330,7 +330,7 @@ struct Kernels {
     return KernelTable<T>{name,   isa,          QT,     NR,
                           gemm,   softmax_tile, scores, accumulate_pv,
                           exp_shift_sum, scale,        all_finite,
-                          pack_transposed, gemm_wide};
+                          pack_transposed, gemm_wide, nullptr, nullptr};
   }
 };
 
