@@ -8,7 +8,12 @@ multi_head_attention_forward
     ``torch.nn.functional.multi_head_attention_forward`` for NumPy arrays.
 MultiheadAttention
     ``torch.nn.MultiheadAttention`` (inference) with torch's parameter names
-    and state_dict keys.
+    and state_dict keys; ``step`` decodes with a KV cache.
+KVCache
+    Preallocated keys and values of a batch of sequences, for decoding.
+cached_attention, multi_head_attention_step
+    Attention of the newest tokens over a KVCache; one decoding step of
+    multi-head self-attention.
 set_num_threads, get_num_threads, show_config
     Threads, the SIMD kernel in use, and how this attnx was built.
 reference
@@ -25,7 +30,13 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     ) from exc
 
 from ._runtime import _select_isa_from_environment, get_num_threads, set_num_threads, show_config
-from .functional import multi_head_attention_forward, scaled_dot_product_attention
+from .cache import KVCache
+from .functional import (
+    cached_attention,
+    multi_head_attention_forward,
+    multi_head_attention_step,
+    scaled_dot_product_attention,
+)
 from .modules import MultiheadAttention
 
 _select_isa_from_environment()
@@ -33,9 +44,12 @@ _select_isa_from_environment()
 __version__ = _core.__version__
 
 __all__ = [
+    "KVCache",
     "MultiheadAttention",
+    "cached_attention",
     "get_num_threads",
     "multi_head_attention_forward",
+    "multi_head_attention_step",
     "reference",
     "scaled_dot_product_attention",
     "set_num_threads",

@@ -14,29 +14,68 @@ import numpy as np
 
 COMPUTE_DTYPES = (np.float32, np.float64)
 
+# Half-precision storage dtypes: float16, and bfloat16 from ml_dtypes (an optional
+# dependency, never imported by attnx: its dtype is recognised by name). They are
+# read by the kernels as they are and computed in float32.
+HALF_NAMES = ("float16", "bfloat16")
+
 
 def shape_str(shape) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def compute_dtype(query) -> np.dtype:
-    """The dtype a call computes in: the query's, which must be float32/float64."""
+def is_half(dtype) -> bool:
+    """Whether `dtype` is float16 or ml_dtypes' bfloat16 (any byte order)."""
+    dtype = np.dtype(dtype)
+    return dtype.name in HALF_NAMES and dtype.itemsize == 2
+
+
+def is_floating(dtype) -> bool:
+    """A real floating-point dtype: NumPy's own, or ml_dtypes' bfloat16."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or is_half(dtype)
+
+
+def result_and_compute_dtype(query, name: str = "query") -> tuple:
+    """(result dtype, compute dtype) of a call: the query's dtype decides.
+
+    float32 and float64 compute in their own dtype; float16 and bfloat16 are
+    storage dtypes, computed in float32 and returned in their own dtype.
+    Other floating dtypes (longdouble) and non-floating ones raise TypeError.
+    """
     dtype = np.asarray(query).dtype
     if dtype.type in COMPUTE_DTYPES:
-        return np.dtype(dtype.type)  # native byte order
+        native = np.dtype(dtype.type)
+        return native, native
+    if is_half(dtype):
+        return dtype.newbyteorder("="), np.dtype(np.float32)
     if dtype.kind == "f":
         raise TypeError(
-            f"query has dtype {dtype}; attnx computes in float32 or float64: "
-            f"convert it first (e.g. query.astype(np.float32))"
+            f"{name} has dtype {dtype}; attnx computes in float32 or float64 (float16 and "
+            f"bfloat16 are computed in float32): convert it first (e.g. {name}.astype(np.float32))"
         )
-    raise TypeError(f"query must be a floating-point array (float32 or float64), got dtype {dtype}")
+    raise TypeError(
+        f"{name} must be a floating-point array (float32, float64, float16 or bfloat16), got dtype {dtype}"
+    )
 
 
-def as_float(x, dtype: np.dtype, name: str) -> np.ndarray:
-    """`x` as an array of `dtype`; integer, bool, complex and other kinds raise TypeError."""
+def compute_dtype(query) -> np.dtype:
+    """The dtype a call computes in: float32 or float64 (float32 for half-precision queries)."""
+    return result_and_compute_dtype(query)[1]
+
+
+def as_float(x, dtype: np.dtype, name: str, keep_half: bool = False) -> np.ndarray:
+    """`x` as an array of `dtype`; integer, bool, complex and other kinds raise TypeError.
+
+    With `keep_half` (for key and value of a float32 computation), a float16 or
+    bfloat16 array in native byte order is returned as it is: the kernels read
+    half-precision keys and values in place and widen them to float32.
+    """
     a = np.asarray(x)
-    if a.dtype.kind != "f":
+    if not is_floating(a.dtype):
         raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
+    if keep_half and dtype == np.float32 and is_half(a.dtype):
+        return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
     if a.dtype != dtype:  # also converts a non-native byte order
         a = a.astype(dtype)
     return a
@@ -71,7 +110,7 @@ def additive_mask(mask, dtype: np.dtype, name: str, true_means_masked: bool) -> 
     if m.dtype == np.bool_:
         zero, neg_inf = dtype.type(0), dtype.type(-np.inf)
         return np.where(m, neg_inf, zero) if true_means_masked else np.where(m, zero, neg_inf)
-    if m.dtype.kind == "f":
+    if is_floating(m.dtype):
         return kernel_layout(m.astype(dtype, copy=False), contiguous_last=False)
     raise TypeError(f"{name} must be a bool or floating-point array, got dtype {m.dtype}")
 
@@ -80,6 +119,72 @@ def as_bool_flag(value, name: str) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+CAUSAL_CHOICES = "False, True, 'top_left' or 'bottom_right'"
+
+
+def causal_mode(value, name: str = "is_causal") -> tuple:
+    """(causal, bottom_right) of an ``is_causal`` argument.
+
+    False: no causal mask. True or "top_left": query i attends keys j <= i.
+    "bottom_right": query i of L attends keys j <= i + S - L.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value), False
+    if isinstance(value, str):
+        if value == "top_left":
+            return True, False
+        if value == "bottom_right":
+            return True, True
+    raise ValueError(f"{name} must be {CAUSAL_CHOICES}, got {value!r}")
+
+
+# Window bounds beyond any sequence length are clipped to this (the core takes int64).
+_WINDOW_MAX = 2**62
+
+
+def window_bounds(window, name: str = "window") -> tuple:
+    """(left, right) of a ``window=(left, right)`` argument, -1 for an unbounded side.
+
+    Each side is an int >= 0 or None (unbounded); ``window=None`` bounds neither.
+    """
+    if window is None:
+        return -1, -1
+    if not isinstance(window, (tuple, list)):
+        raise TypeError(f"{name} must be None or a pair (left, right) of ints >= 0 or None, got {window!r}")
+    if len(window) != 2:
+        raise ValueError(f"{name} must be a pair (left, right), got {len(window)} values: {window!r}")
+    bounds = []
+    for side, value in zip(("left", "right"), window):
+        if value is None:
+            bounds.append(-1)
+            continue
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} {side} must be an int >= 0 or None, got {value!r}")
+        try:
+            n = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} {side} must be an int >= 0 or None, got {value!r}") from None
+        if n < 0:
+            raise ValueError(f"{name} {side} must be >= 0 or None, got {n}")
+        bounds.append(min(n, _WINDOW_MAX))
+    return tuple(bounds)
+
+
+def as_lengths(lengths, count: int, upper: int, name: str, what: str) -> np.ndarray:
+    """Per-sequence lengths as a C-contiguous int64 array of shape (count,), values in [0, upper].
+
+    `what` says what the upper bound is, for the error message (e.g. "T = 4, the query's length").
+    """
+    a = np.asarray(lengths)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an array of integers, got dtype {a.dtype}")
+    if a.shape != (count,):
+        raise ValueError(f"{name} must have shape {shape_str((count,))} (one per sequence), got {shape_str(a.shape)}")
+    if a.size and (a.min() < 0 or a.max() > upper):
+        raise ValueError(f"{name} must be in [0, {upper}] ({what}), got {a.tolist()}")
+    return np.array(a, dtype=np.int64, order="C", copy=True)
 
 
 def as_positive_int(value, name: str) -> int:

@@ -14,19 +14,29 @@ import numpy as np
 
 from . import _core
 from ._arrays import (
+    CAUSAL_CHOICES,
     additive_mask,
     as_bool_flag,
+    as_lengths,
     as_finite_scale,
     as_float,
     as_positive_int,
+    causal_mode,
     check_out,
-    compute_dtype,
     kernel_layout,
     merge_leading,
+    result_and_compute_dtype,
     shape_str,
+    window_bounds,
 )
+from .cache import KVCache
 
-__all__ = ["scaled_dot_product_attention", "multi_head_attention_forward"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "multi_head_attention_forward",
+    "cached_attention",
+    "multi_head_attention_step",
+]
 
 
 def scaled_dot_product_attention(
@@ -38,6 +48,7 @@ def scaled_dot_product_attention(
     scale=None,
     enable_gqa=False,
     *,
+    window=None,
     out=None,
 ):
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
@@ -48,29 +59,45 @@ def scaled_dot_product_attention(
     Parameters
     ----------
     query : array_like, shape (..., Hq, L, E)
-        float32 or float64; its dtype is the compute dtype. Also ``(L, E)``
-        or ``(N, L, E)``.
+        float32 or float64: its dtype is the compute dtype; float16 or
+        bfloat16 (from ml_dtypes) are computed in float32 and the result has
+        the query's dtype. Also ``(L, E)`` or ``(N, L, E)``.
     key : array_like, shape (..., Hk, S, E)
     value : array_like, shape (..., Hk, S, Ev)
-        Leading batch dims of query, key and value broadcast against each other.
+        Leading batch dims of query, key and value broadcast against each
+        other. Other float dtypes are converted to the compute dtype, except
+        that float16/bfloat16 keys and values of a float32 computation are read
+        in place (never copied) and widened to float32 in the kernels.
     attn_mask : array_like, optional
         Broadcastable to ``(..., Hq, L, S)``. bool: True means the query may
         attend the key. float: added to the scores.
-    is_causal : bool, default False
-        Query ``i`` attends key ``j`` iff ``j <= i`` (top-left aligned). Not
-        allowed together with ``attn_mask``.
+    is_causal : {False, True, "top_left", "bottom_right"}, default False
+        True or ``"top_left"``: query ``i`` attends key ``j`` iff ``j <= i``
+        (as torch). ``"bottom_right"``: iff ``j <= i + S - L``, so that the
+        last query row sees every key (queries are the newest ``L`` of ``S``
+        positions). Not allowed together with ``attn_mask``.
     scale : float, optional
         Defaults to ``1 / sqrt(E)``.
     enable_gqa : bool, default False
         Grouped-query attention: ``Hq`` must be a multiple of ``Hk``, and
         query head ``h`` uses key/value head ``h // (Hq // Hk)``.
+    window : tuple (left, right), optional, keyword-only
+        Sliding window: query ``i`` attends only keys ``j`` with
+        ``i + d - left <= j <= i + d + right``, where ``d = S - L`` with
+        ``is_causal="bottom_right"`` and 0 otherwise. Each side is an int
+        ``>= 0`` or None (unbounded). Combines with ``is_causal`` (which caps
+        ``right`` at 0) and with ``attn_mask`` (a key must be allowed by both).
+        Computed without a mask array; blocks of keys outside the window are
+        skipped.
     out : ndarray, optional
         C-contiguous array of the result's shape and dtype to write into.
 
     Returns
     -------
     ndarray, shape (..., Hq, L, Ev)
-        A query row whose keys are all masked gives zeros, never NaN.
+        In the query's dtype. A query row with no key to attend (all masked,
+        or outside its window or causal range, as the first ``L - S`` rows
+        with ``is_causal="bottom_right"`` and ``L > S``) gives zeros, never NaN.
 
     Examples
     --------
@@ -78,11 +105,15 @@ def scaled_dot_product_attention(
     >>> q = k = v = np.ones((2, 4, 8, 16), np.float32)
     >>> attnx.scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 4, 8, 16)
+    >>> q = np.ones((2, 4, 1, 16), np.float32)     # the newest of 8 positions
+    >>> attnx.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", window=(3, 0)).shape
+    (2, 4, 1, 16)
     """
     if (
         attn_mask is None
         and scale is None
         and out is None
+        and window is None
         and (is_causal is True or is_causal is False)
         and (enable_gqa is True or enable_gqa is False)
     ):
@@ -90,17 +121,18 @@ def scaled_dot_product_attention(
         result = _core.sdpa_plain(query, key, value, is_causal)
         if result is not None:
             return result
-    dtype = compute_dtype(query)
+    result_dtype, dtype = result_and_compute_dtype(query)
     q = as_float(query, dtype, "query")
-    k = as_float(key, dtype, "key")
-    v = as_float(value, dtype, "value")
-    is_causal = as_bool_flag(is_causal, "is_causal")
+    k = as_float(key, dtype, "key", keep_half=True)
+    v = as_float(value, dtype, "value", keep_half=True)
+    causal, bottom_right = causal_mode(is_causal)
     enable_gqa = as_bool_flag(enable_gqa, "enable_gqa")
+    window_left, window_right = window_bounds(window)
     for name, x in (("query", q), ("key", k), ("value", v)):
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape {shape_str(x.shape)}")
-    if is_causal and attn_mask is not None:
-        raise ValueError("attn_mask and is_causal=True cannot both be given")
+    if causal and attn_mask is not None:
+        raise ValueError(f"attn_mask and is_causal={is_causal!r} cannot both be given")
 
     L, E = q.shape[-2:]
     S, E_k = k.shape[-2:]
@@ -167,22 +199,28 @@ def scaled_dot_product_attention(
     scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else as_finite_scale(scale)
 
     if out is None:
-        out = np.empty(result_shape, dtype)
+        out = np.empty(result_shape, result_dtype)
     else:
-        check_out(out, result_shape, dtype, (q, k, v, attn_mask))
+        check_out(out, result_shape, result_dtype, (q, k, v, attn_mask))
     if out.size == 0:
         return out
-    out4 = out.reshape(q4.shape[:3] + (Ev,))
+    # Half-precision results are computed into a float32 buffer, then rounded.
+    computed = out if result_dtype == dtype else np.empty(result_shape, dtype)
     _core.sdpa(
         kernel_layout(q4),
         kernel_layout(k4),
         kernel_layout(v4),
         None if mask4 is None else kernel_layout(mask4, contiguous_last=False),
-        is_causal,
+        causal,
         scale,
-        out4,
+        computed.reshape(q4.shape[:3] + (Ev,)),
         None,
+        bottom_right=bottom_right,
+        window_left=window_left,
+        window_right=window_right,
     )
+    if computed is not out:
+        out[...] = computed
     return out
 
 
@@ -267,6 +305,9 @@ def multi_head_attention_forward(
     Parameters
     ----------
     query : array_like, shape (L, N, E), or (N, L, E) with ``batch_first``, or (L, E)
+        float32 or float64: its dtype is the compute dtype. float16 or
+        bfloat16 (ml_dtypes) are computed in float32 and the results have the
+        query's dtype. Other float inputs are converted to the compute dtype.
     key : array_like, shape (S, N, kdim), or (N, S, kdim) with ``batch_first``, or (S, kdim)
     value : array_like, shape (S, N, vdim), or (N, S, vdim) with ``batch_first``, or (S, vdim)
     embed_dim_to_check : int
@@ -304,15 +345,18 @@ def multi_head_attention_forward(
         Use these keys/values instead of projecting ``key``/``value``.
     average_attn_weights : bool
         Average the returned weights over heads.
-    is_causal : bool
-        Apply the causal (top-left) mask. Unlike torch, it needs no
-        ``attn_mask``; when one is given, it is used as given.
+    is_causal : {False, True, "top_left", "bottom_right"}
+        Apply a causal mask: True or ``"top_left"``: query ``i`` attends
+        source keys ``j <= i``; ``"bottom_right"``: ``j <= i + S - L``. The
+        bias_k and zero-attention positions stay open. Unlike torch, it needs
+        no ``attn_mask``; when one is given, it is used as given.
     batch_first : bool, keyword-only
         Inputs and output are (N, L, E) (an attnx addition).
 
     Returns
     -------
     attn_output : ndarray, shape (L, N, E_out) (or (N, L, E_out) / (L, E_out))
+        In the query's dtype.
     attn_weights : ndarray or None
         (N, L, S') averaged, or (N, num_heads, L, S'); None unless ``need_weights``.
         ``S'`` counts the bias_k and zero-attention positions.
@@ -322,7 +366,7 @@ def multi_head_attention_forward(
     A query row whose keys are all masked gives a zero attention row (the
     output row equals ``out_proj_bias``) and zero weights, where torch gives NaN.
     """
-    dtype = compute_dtype(query)
+    result_dtype, dtype = result_and_compute_dtype(query)
     q = as_float(query, dtype, "query")
     k = as_float(key, dtype, "key")
     v = as_float(value, dtype, "value")
@@ -331,7 +375,7 @@ def multi_head_attention_forward(
     add_zero_attn = as_bool_flag(add_zero_attn, "add_zero_attn")
     average_attn_weights = as_bool_flag(average_attn_weights, "average_attn_weights")
     use_separate_proj_weight = as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight")
-    is_causal = as_bool_flag(is_causal, "is_causal")
+    causal, bottom_right = causal_mode(is_causal)
     batch_first = as_bool_flag(batch_first, "batch_first")
     try:
         dropout_p = float(dropout_p)
@@ -454,7 +498,8 @@ def multi_head_attention_forward(
                 )
             am = am.reshape(N, num_heads, L, S_src)
         masks["attn_mask"] = am
-    causal = is_causal and attn_mask is None
+    # With an attn_mask, is_causal is a hint (as torch): the mask is used as given.
+    causal = causal and attn_mask is None
 
     S_total = S_src + (bias_k is not None) + add_zero_attn
     weights = None
@@ -487,9 +532,329 @@ def multi_head_attention_forward(
         out_view,
         weights,
         average_attn_weights,
+        bottom_right=causal and bottom_right,
     )
     if not batched:
         out = out[0]
         if weights is not None:
             weights = weights[0]
+    if result_dtype != dtype:  # half-precision inputs: computed in float32, returned as given
+        out = out.astype(result_dtype)
+        weights = None if weights is None else weights.astype(result_dtype)
     return out, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding with a KV cache
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_cache(cache) -> KVCache:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be an attnx.KVCache, got {type(cache).__name__}")
+    return cache
+
+
+def _cache_compute_dtype(cache: KVCache) -> np.dtype:
+    """The cache decides the compute dtype (it is read in place, never converted)."""
+    return np.dtype(np.float64) if cache.dtype == np.float64 else np.dtype(np.float32)
+
+
+def _query_lengths(lengths, batch: int, T: int) -> np.ndarray:
+    if lengths is None:
+        return np.full(batch, T, np.int64)
+    return as_lengths(lengths, batch, T, "lengths", f"T = {T}, the query's tokens per sequence")
+
+
+def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, out) -> None:
+    """The attention of the newest n[b] tokens of each sequence over the cache, into `out`.
+
+    `q` (B, Hq, T, E), checked; `out` (B, Hq, T, Ev) C-contiguous, of any float dtype.
+    The core reads the cache storage itself: keys j < lengths[b] of sequence b, with
+    query t attending j <= lengths[b] - n[b] + t (bottom-right causal alignment).
+    """
+    if out.size == 0:
+        return
+    dtype = _cache_compute_dtype(cache)
+    computed = out if out.dtype == dtype else np.empty(out.shape, dtype)
+    _core.sdpa(
+        kernel_layout(as_float(q, dtype, "query")),
+        cache._key,
+        cache._value,
+        None,
+        True,
+        scale,
+        computed,
+        None,
+        bottom_right=True,
+        window_left=window_left,
+        window_right=window_right,
+        key_lengths=cache._lengths,
+        query_lengths=n,
+    )
+    if computed is not out:
+        out[...] = computed
+
+
+def cached_attention(query, cache, key=None, value=None, *, lengths=None, scale=None, window=None, out=None):
+    """Attention of the newest tokens of each sequence over a :class:`KVCache`.
+
+    The ``T`` query tokens are the newest tokens of each sequence: with
+    ``key`` and ``value`` given, they are appended to the cache first. Query
+    ``t`` of sequence ``b`` attends the cached keys ``j <= lengths_b - n_b + t``
+    (causal, bottom-right aligned per sequence), where ``lengths_b`` is the
+    cache's length of sequence ``b`` and ``n_b`` its number of valid query
+    tokens. The cache storage is read in place (never copied), up to each
+    sequence's length.
+
+    Parameters
+    ----------
+    query : array_like, shape (batch, Hq, T, head_dim)
+        ``Hq`` a multiple of the cache's ``num_kv_heads`` (grouped-query or
+        multi-query attention: query head ``h`` uses key/value head
+        ``h // (Hq // num_kv_heads)``). float32, float64, float16 or bfloat16:
+        the result has the query's dtype.
+    cache : KVCache
+        The keys and values so far. It decides the compute dtype: float64 for
+        a float64 cache, else float32 (float16/bfloat16 caches are widened in
+        the kernels).
+    key : array_like, shape (batch, num_kv_heads, T, head_dim), optional
+        Keys of the query tokens, appended to the cache before attending.
+    value : array_like, shape (batch, num_kv_heads, T, value_dim), optional
+        Values of the query tokens (with ``key``).
+    lengths : array_like of int, shape (batch,), optional, keyword-only
+        Valid query tokens per sequence, ``n_b`` in ``[0, T]`` (ragged
+        batches: valid tokens first). Default: all ``T``. With ``key`` and
+        ``value``, also how many of them are appended. Output rows
+        ``t >= n_b`` are zeros. Each ``n_b`` must not exceed the sequence's
+        length in the cache (after appending).
+    scale : float, optional, keyword-only
+        Defaults to ``1 / sqrt(head_dim)``.
+    window : tuple (left, right), optional, keyword-only
+        Sliding window, as in :func:`scaled_dot_product_attention` (bottom-right
+        aligned): query ``t`` attends only keys ``j >= lengths_b - n_b + t - left``.
+    out : ndarray, optional, keyword-only
+        C-contiguous array of the result's shape and dtype to write into.
+
+    Returns
+    -------
+    ndarray, shape (batch, Hq, T, value_dim)
+        In the query's dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> cache = attnx.KVCache(1, 2, 64, 8)
+    >>> k = v = np.ones((1, 2, 5, 8), np.float32)
+    >>> q = np.ones((1, 4, 5, 8), np.float32)
+    >>> attnx.cached_attention(q, cache, k, v).shape     # a 5-token prompt
+    (1, 4, 5, 8)
+    >>> k = v = np.ones((1, 2, 1, 8), np.float32)
+    >>> attnx.cached_attention(q[:, :, :1], cache, k, v).shape   # then one token at a time
+    (1, 4, 1, 8)
+    """
+    cache = _check_cache(cache)
+    result_dtype, _ = result_and_compute_dtype(query)
+    q = as_float(query, result_dtype, "query")
+    B, Hkv, E = cache.batch, cache.num_kv_heads, cache.head_dim
+    if q.ndim != 4 or q.shape[0] != B or q.shape[3] != E or q.shape[1] == 0 or q.shape[1] % Hkv != 0:
+        raise ValueError(
+            f"query must have shape (batch, Hq, T, head_dim) = ({B}, Hq, T, {E}) with Hq a multiple of "
+            f"num_kv_heads = {Hkv}, for {cache!r}; got {shape_str(q.shape)}"
+        )
+    Hq, T = q.shape[1], q.shape[2]
+    if (key is None) != (value is None):
+        raise ValueError("key and value must both be given or both be None")
+    if key is not None:
+        for name, x in (("key", key), ("value", value)):
+            shape = np.shape(x)
+            if len(shape) != 4 or shape[2] != T:
+                raise ValueError(
+                    f"{name} must hold the query's T = {T} tokens (dim 2): query {shape_str(q.shape)}, "
+                    f"{name} {shape_str(shape)}"
+                )
+    n = _query_lengths(lengths, B, T)
+    window_left, window_right = window_bounds(window)
+    scale = (1.0 / math.sqrt(E)) if scale is None else as_finite_scale(scale)
+    result_shape = (B, Hq, T, cache.value_dim)
+    if out is None:
+        out = np.empty(result_shape, result_dtype)
+    else:
+        check_out(out, result_shape, result_dtype, (query, key, value, cache._key, cache._value))
+
+    if key is not None:
+        cache.append(key, value, None if lengths is None else n)
+    elif (n > cache._lengths).any():
+        raise ValueError(
+            f"lengths {n.tolist()} (query tokens per sequence) exceed the cache's lengths "
+            f"{cache._lengths.tolist()}: the query tokens must be the newest tokens in the cache "
+            f"(pass key and value to append them)"
+        )
+    _attend_cache(q, cache, n, scale, window_left, window_right, out)
+    return out
+
+
+def multi_head_attention_step(
+    query,
+    cache,
+    num_heads,
+    in_proj_weight,
+    in_proj_bias,
+    out_proj_weight,
+    out_proj_bias,
+    *,
+    lengths=None,
+    batch_first=False,
+    use_separate_proj_weight=False,
+    q_proj_weight=None,
+    k_proj_weight=None,
+    v_proj_weight=None,
+):
+    """One decoding step of causal self-attention over a :class:`KVCache`.
+
+    Projects the new tokens to queries, keys and values, appends the keys and
+    values to ``cache``, attends from the new tokens over the cache (each
+    sequence's newest tokens, causal, bottom-right aligned) and applies the
+    output projection. Decoding a sequence token by token gives the outputs of
+    one :func:`multi_head_attention_forward` over the whole sequence with
+    ``is_causal=True`` (self-attention, no bias_k/bias_v or zero attention).
+
+    Parameters
+    ----------
+    query : array_like, shape (T, batch, E), or (batch, T, E) with ``batch_first``, or (T, E)
+        The new tokens (the unbatched form needs a cache of batch 1).
+        float32, float64, float16 or bfloat16: the result has its dtype;
+        projections run in float64 for float64, else float32.
+    cache : KVCache
+        ``num_kv_heads == num_heads`` and ``head_dim == value_dim == E // num_heads``
+        (see :meth:`MultiheadAttention.new_cache`).
+    num_heads : int
+        Must divide E.
+    in_proj_weight : array_like, shape (3E, E), or None with ``use_separate_proj_weight``
+    in_proj_bias : array_like, shape (3E,), or None
+    out_proj_weight : array_like, shape (E_out, E)
+    out_proj_bias : array_like, shape (E_out,), or None
+    lengths : array_like of int, shape (batch,), optional, keyword-only
+        Valid new tokens per sequence, each in ``[0, T]`` (ragged batches:
+        valid tokens first). Only those are appended; the output rows of the
+        others equal ``out_proj_bias`` (zeros without a bias). Default: all ``T``.
+    batch_first : bool, keyword-only
+        ``query`` and the result are (batch, T, E).
+    use_separate_proj_weight : bool, keyword-only
+        Use ``q_proj_weight``, ``k_proj_weight`` and ``v_proj_weight``
+        (each (E, E)) instead of ``in_proj_weight``.
+    q_proj_weight, k_proj_weight, v_proj_weight : array_like, shape (E, E), optional, keyword-only
+        The separate projections, with ``use_separate_proj_weight``.
+
+    Returns
+    -------
+    ndarray, shape (T, batch, E_out), or (batch, T, E_out) with ``batch_first``, or (T, E_out)
+        The attention output (no weights), in the query's dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> mha = attnx.MultiheadAttention(16, 4, batch_first=True, seed=0)
+    >>> cache = mha.new_cache(batch=2, max_len=32)
+    >>> prompt = np.ones((2, 5, 16), np.float32)
+    >>> mha.step(prompt, cache).shape
+    (2, 5, 16)
+    >>> mha.step(np.ones((2, 1, 16), np.float32), cache).shape
+    (2, 1, 16)
+    """
+    cache = _check_cache(cache)
+    result_dtype, dtype = result_and_compute_dtype(query)
+    x = as_float(query, dtype, "query")
+    batch_first = as_bool_flag(batch_first, "batch_first")
+    use_separate_proj_weight = as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight")
+    num_heads = as_positive_int(num_heads, "num_heads")
+    B = cache.batch
+    if x.ndim == 2:
+        if B != 1:
+            raise ValueError(
+                f"an unbatched (2-D) query {shape_str(x.shape)} needs a cache of batch 1, got {cache!r}"
+            )
+        x3 = x[:, None, :]
+        layout = "unbatched"
+    elif x.ndim == 3:
+        x3 = x
+        layout = "batch_first" if batch_first else "seq_first"
+        if x3.shape[0 if batch_first else 1] != B:
+            raise ValueError(
+                f"query {shape_str(x.shape)} must have the cache's batch {B} in dim "
+                f"{0 if batch_first else 1} ({'(batch, T, E)' if batch_first else '(T, batch, E)'})"
+            )
+    else:
+        raise ValueError(f"query must be 2-D (T, E) or 3-D (T, batch, E) / (batch, T, E), got shape {shape_str(x.shape)}")
+    T = x3.shape[1] if layout == "batch_first" else x3.shape[0]
+    E = x3.shape[2]
+    if E == 0 or E % num_heads != 0:
+        raise ValueError(f"embed_dim ({E}) must be a positive multiple of num_heads ({num_heads})")
+    head_dim = E // num_heads
+    if (cache.num_kv_heads, cache.head_dim, cache.value_dim) != (num_heads, head_dim, head_dim):
+        raise ValueError(
+            f"cache must have num_kv_heads = num_heads = {num_heads} and head_dim = value_dim = "
+            f"E // num_heads = {head_dim} for a query of width {E}, got {cache!r}"
+        )
+
+    # Weights, all in the projection dtype.
+    if use_separate_proj_weight:
+        for name, w in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight), ("v_proj_weight", v_proj_weight)):
+            if w is None:
+                raise ValueError(f"use_separate_proj_weight=True requires {name}")
+        w_qkv = [
+            _param(w, dtype, name, (E, E))
+            for name, w in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight), ("v_proj_weight", v_proj_weight))
+        ]
+    else:
+        if in_proj_weight is None:
+            raise ValueError("in_proj_weight is required unless use_separate_proj_weight=True")
+        w_qkv = [_param(in_proj_weight, dtype, "in_proj_weight", (3 * E, E))]
+    b_in = None if in_proj_bias is None else _param(in_proj_bias, dtype, "in_proj_bias", (3 * E,))
+    if out_proj_weight is None:
+        raise ValueError("out_proj_weight is required")
+    w_out = as_float(out_proj_weight, dtype, "out_proj_weight")
+    if w_out.ndim != 2 or w_out.shape[1] != E:
+        raise ValueError(f"out_proj_weight must have shape (E_out, {E}), got {shape_str(w_out.shape)}")
+    E_out = w_out.shape[0]
+    b_out = None if out_proj_bias is None else _param(out_proj_bias, dtype, "out_proj_bias", (E_out,))
+    n = _query_lengths(lengths, B, T)
+
+    # Rows of the projections in the query's own order: (t, b) or (b, t).
+    rows = np.ascontiguousarray(x3).reshape(-1, E)
+    N = rows.shape[0]
+    out_shape = {"unbatched": (T, E_out), "seq_first": (T, B, E_out), "batch_first": (B, T, E_out)}[layout]
+    if N == 0:
+        return np.zeros(out_shape, result_dtype)
+
+    # 1. Project the new tokens: q, k, v as (N, E) column blocks.
+    if len(w_qkv) == 1:
+        qkv = np.empty((N, 3 * E), dtype)
+        _core.linear(rows, kernel_layout(w_qkv[0]), None if b_in is None else kernel_layout(b_in), qkv)
+        q, k, v = qkv[:, :E], qkv[:, E : 2 * E], qkv[:, 2 * E :]
+    else:
+        biases = (None, None, None) if b_in is None else (b_in[:E], b_in[E : 2 * E], b_in[2 * E :])
+        q, k, v = (np.empty((N, E), dtype) for _ in range(3))
+        for w, b, dst in zip(w_qkv, biases, (q, k, v)):
+            _core.linear(rows, kernel_layout(w), None if b is None else kernel_layout(b), dst)
+
+    # 2. Split heads: (N, E) -> (B, H, T, head_dim) views.
+    def heads(a):
+        if layout == "batch_first":
+            return a.reshape(B, T, num_heads, head_dim).transpose(0, 2, 1, 3)
+        return a.reshape(T, B, num_heads, head_dim).transpose(1, 2, 0, 3)
+
+    # 3. Append the new keys and values, attend over the cache.
+    cache.append(heads(k), heads(v), None if lengths is None else n)
+    attn = np.empty((B, num_heads, T, head_dim), dtype)
+    _attend_cache(heads(q), cache, n, 1.0 / math.sqrt(head_dim), -1, -1, attn)
+
+    # 4. Merge heads back into rows of the query's order, and project out.
+    if layout == "batch_first":
+        merged = attn.transpose(0, 2, 1, 3).reshape(N, E)
+    else:
+        merged = attn.transpose(2, 0, 1, 3).reshape(N, E)
+    result = np.empty((N, E_out), dtype)
+    _core.linear(merged, kernel_layout(w_out), None if b_out is None else kernel_layout(b_out), result)
+    result = result.reshape(out_shape)
+    return result if result_dtype == dtype else result.astype(result_dtype)

@@ -19,12 +19,13 @@ import numpy as np
 
 from . import _core
 
-from ._arrays import as_bool_flag, as_positive_int, shape_str
-from .functional import multi_head_attention_forward
+from ._arrays import as_bool_flag, as_positive_int, causal_mode, is_floating, shape_str
+from .cache import KVCache, _storage_dtype
+from .functional import multi_head_attention_forward, multi_head_attention_step
 
 __all__ = ["MultiheadAttention"]
 
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class LoadStateDictResult(NamedTuple):
@@ -35,14 +36,11 @@ class LoadStateDictResult(NamedTuple):
 
 
 def _module_dtype(dtype) -> np.dtype:
-    """The module's parameter dtype: float32 or float64."""
+    """The module's parameter dtype: float32, float64, float16 or bfloat16 (ml_dtypes)."""
     try:
-        dt = np.dtype(dtype)
+        return _storage_dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if dt.kind != "f" or np.dtype(dt.type) not in _DTYPES:
-        raise TypeError(f"dtype must be float32 or float64, got {dt}")
-    return np.dtype(dt.type)
+        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype!r}") from None
 
 
 def _to_numpy(value, key: str) -> np.ndarray:
@@ -96,8 +94,12 @@ class MultiheadAttention:
         ``in_proj_weight`` is None (as torch).
     batch_first : bool, default False
         Inputs and output are ``(N, L, E)`` instead of ``(L, N, E)``.
-    dtype : {numpy.float32, numpy.float64}, default numpy.float32
-        Dtype of the parameters and of the computation.
+    dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, default numpy.float32
+        Dtype of the parameters, of the inputs (floating inputs are converted
+        to it) and of the results. float32 and float64 are also the compute
+        dtype; float16 and bfloat16 (``ml_dtypes.bfloat16``, or the string
+        ``"bfloat16"`` with ml_dtypes installed) are storage dtypes, computed
+        in float32.
     seed : int, numpy.random.Generator or None, default None
         Seed of ``np.random.default_rng`` for the initial parameters.
 
@@ -317,7 +319,7 @@ class MultiheadAttention:
             if key not in state_dict:
                 continue
             raw = _to_numpy(state_dict[key], key)
-            if raw.dtype.kind not in "fiu":
+            if not (is_floating(raw.dtype) or raw.dtype.kind in "iu"):
                 raise TypeError(f"state_dict[{key!r}] must be a real floating-point array, got dtype {raw.dtype}")
             if raw.shape != shape:
                 raise ValueError(
@@ -345,8 +347,9 @@ class MultiheadAttention:
         MultiheadAttention
             Same ``embed_dim``, ``num_heads``, ``bias``, ``add_bias_kv``,
             ``add_zero_attn``, ``kdim``, ``vdim`` and ``batch_first``; dtype
-            float64 if the torch module's parameters are float64, else float32.
-            The weights are copies.
+            float64 or float16 if the torch module's parameters are, else
+            float32 (bfloat16 parameters are widened exactly). The weights are
+            copies.
 
         Examples
         --------
@@ -361,7 +364,9 @@ class MultiheadAttention:
                 f"(lacking {', '.join(lacking) or 'state_dict()'})"
             )
         weight = module.out_proj.weight
-        dtype = np.float64 if str(getattr(weight, "dtype", "")) == "torch.float64" else np.float32
+        dtype = {"torch.float64": np.float64, "torch.float16": np.float16}.get(
+            str(getattr(weight, "dtype", "")), np.float32
+        )
         # The bias flag: torch registers in_proj_bias and out_proj.bias together.
         bias = module.in_proj_bias is not None or getattr(module.out_proj, "bias", None) is not None
         new = cls(
@@ -386,7 +391,7 @@ class MultiheadAttention:
     def _as_input(self, x):
         """A floating input in the module's dtype; anything else goes on to the functional checks."""
         a = np.asarray(x)
-        if a.dtype.kind == "f" and a.dtype != self.dtype:
+        if is_floating(a.dtype) and a.dtype != self.dtype:
             a = a.astype(self.dtype)
         return a
 
@@ -418,8 +423,9 @@ class MultiheadAttention:
             bool: True means *not* allowed to attend; float: added to the scores.
         average_attn_weights : bool, default True
             Average the returned weights over the heads.
-        is_causal : bool, default False
-            Apply the causal mask (query ``i`` attends keys ``j <= i``). Unlike
+        is_causal : {False, True, "top_left", "bottom_right"}, default False
+            Apply the causal mask: True or ``"top_left"``: query ``i`` attends
+            keys ``j <= i``; ``"bottom_right"``: keys ``j <= i + S - L``. Unlike
             torch, no ``attn_mask`` is needed; when one is given, it is used as given.
 
         Returns
@@ -475,6 +481,8 @@ class MultiheadAttention:
         the general path, which converts what it can and explains what it cannot.
         """
         dtype, E = self.dtype, self.embed_dim
+        if dtype not in _COMPUTE_DTYPES:
+            return None  # half-precision parameters: converted on the general path
         for x in (query, key, value):
             if (
                 type(x) is not np.ndarray
@@ -484,9 +492,13 @@ class MultiheadAttention:
                 or not x.flags.aligned
             ):
                 return None
-        for flag in (need_weights, average_attn_weights, is_causal):
+        for flag in (need_weights, average_attn_weights):
             if flag is not True and flag is not False:
                 return None
+        try:
+            causal, bottom_right = causal_mode(is_causal)
+        except ValueError:
+            return None
         if self.batch_first:
             q, k, v = query, key, value
         else:
@@ -528,12 +540,106 @@ class MultiheadAttention:
             out_view = out.transpose(1, 0, 2)
         _core.mha(
             self.num_heads, q, k, v, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v,
-            bool(self.add_zero_attn), None, None, None, None, is_causal,
+            bool(self.add_zero_attn), None, None, None, None, causal,
             self.out_proj_weight, self.out_proj_bias, out_view, weights, average_attn_weights,
+            bottom_right=bottom_right,
         )
         return out, weights
 
     __call__ = forward
+
+    # ------------------------------------------------------------------------------------------
+    # Decoding
+    # ------------------------------------------------------------------------------------------
+
+    def new_cache(self, batch, max_len, dtype=None) -> KVCache:
+        """An empty :class:`KVCache` for :meth:`step` with this module.
+
+        Parameters
+        ----------
+        batch : int
+            Number of sequences.
+        max_len : int
+            Tokens each sequence can hold.
+        dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, optional
+            Storage dtype of the keys and values; default the module's dtype.
+
+        Returns
+        -------
+        KVCache
+            ``num_kv_heads = num_heads``, ``head_dim = embed_dim // num_heads``.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> attnx.MultiheadAttention(16, 4).new_cache(2, 100, dtype=np.float16)
+        KVCache(batch=2, num_kv_heads=4, max_len=100, head_dim=4, dtype=float16, lengths=[0, 0])
+        """
+        return KVCache(batch, self.num_heads, max_len, self.head_dim, self.dtype if dtype is None else dtype)
+
+    def step(self, query, cache, lengths=None):
+        """One decoding step of causal self-attention: project, append to ``cache``, attend.
+
+        Appends the keys and values of the new tokens to ``cache`` and attends
+        from each new token over its sequence's cached tokens up to itself
+        (bottom-right causal alignment, per-sequence lengths), reading the
+        cache in place. Feeding a sequence token by token (or a prompt, then
+        one token at a time) gives the outputs of ``self(x, x, x,
+        is_causal=True)`` over the whole sequence. See
+        :func:`attnx.multi_head_attention_step`.
+
+        Parameters
+        ----------
+        query : array_like, shape (T, N, E), or (N, T, E) with ``batch_first``, or (T, E)
+            The new tokens; floating inputs are converted to the module's
+            dtype, which is the result's dtype. The unbatched form needs a
+            cache of batch 1.
+        cache : KVCache
+            From :meth:`new_cache` (or with ``num_kv_heads = num_heads`` and
+            ``head_dim = value_dim = embed_dim // num_heads``).
+        lengths : array_like of int, shape (N,), optional
+            Valid new tokens per sequence, each in ``[0, T]`` (valid tokens
+            first); the others are not appended and their output rows equal
+            ``out_proj_bias``. Default: all ``T``.
+
+        Returns
+        -------
+        ndarray, shape (T, N, E), or (N, T, E) with ``batch_first``, or (T, E)
+            The attention output (no weights).
+
+        Raises
+        ------
+        NotImplementedError
+            For a module with ``add_bias_kv``, ``add_zero_attn``, or ``kdim`` /
+            ``vdim`` other than ``embed_dim`` (no self-attention decoding).
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> mha = attnx.MultiheadAttention(16, 4, seed=0)
+        >>> cache = mha.new_cache(batch=1, max_len=16)
+        >>> tokens = np.random.default_rng(0).standard_normal((6, 1, 16)).astype(np.float32)
+        >>> steps = [mha.step(tokens[t : t + 1], cache) for t in range(6)]
+        >>> full, _ = mha(tokens, tokens, tokens, is_causal=True)
+        >>> bool(np.allclose(np.concatenate(steps), full, atol=1e-5))
+        True
+        """
+        if self.add_bias_kv or self.add_zero_attn or not self._qkv_same_embed_dim:
+            raise NotImplementedError(
+                f"step decodes self-attention only: not available for {self!r} "
+                f"(add_bias_kv, add_zero_attn, or kdim/vdim other than embed_dim)"
+            )
+        return multi_head_attention_step(
+            self._as_input(query),
+            cache,
+            self.num_heads,
+            self.in_proj_weight,
+            self.in_proj_bias,
+            self.out_proj_weight,
+            self.out_proj_bias,
+            lengths=lengths,
+            batch_first=self.batch_first,
+        )
 
     def __repr__(self) -> str:
         args = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]

@@ -1,0 +1,294 @@
+"""A preallocated key/value cache for decoding one token (or a few) at a time.
+
+:class:`KVCache` holds the keys and values of the tokens a batch of sequences has
+seen so far, in storage allocated once at its full length. Each sequence has its
+own length, so a batch may be ragged, and a slot can be reset and reused for a
+new sequence (continuous batching). :func:`attnx.cached_attention` and
+:meth:`attnx.MultiheadAttention.step` read the storage in place: the cache is
+never copied, and keys past a sequence's length are never read.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from ._arrays import as_lengths, as_positive_int, is_floating, is_half, shape_str
+
+__all__ = ["KVCache"]
+
+
+def _storage_dtype(dtype) -> np.dtype:
+    """float32, float64, float16 or bfloat16 (ml_dtypes, imported only when asked for by name)."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("dtype 'bfloat16' needs the ml_dtypes package (pip install ml_dtypes)") from None
+        dtype = ml_dtypes.bfloat16
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype!r}") from None
+    if dt.type in (np.float32, np.float64):
+        return np.dtype(dt.type)
+    if is_half(dt):
+        return dt.newbyteorder("=")
+    raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dt}")
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
+class KVCache:
+    """Keys and values of a batch of sequences, preallocated for ``max_len`` tokens each.
+
+    The storage is allocated (zeroed) once; :meth:`append` writes the keys and
+    values of new tokens after each sequence's current length. The attention
+    functions read the storage in place, up to each sequence's length.
+
+    Parameters
+    ----------
+    batch : int
+        Number of sequences (slots).
+    num_kv_heads : int
+        Key/value heads. The query of :func:`attnx.cached_attention` may have
+        any multiple of it (grouped-query / multi-query attention).
+    max_len : int
+        Tokens each sequence can hold.
+    head_dim : int
+        Width of a key (and of a query) per head.
+    dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, default numpy.float32
+        Storage dtype. float16 and bfloat16 (``ml_dtypes.bfloat16``, or the
+        string ``"bfloat16"`` with ml_dtypes installed) halve the memory and
+        the bytes an attention step reads; they are computed in float32.
+    value_dim : int, optional, keyword-only
+        Width of a value per head (default ``head_dim``).
+
+    Attributes
+    ----------
+    key : ndarray, shape (batch, num_kv_heads, max_len, head_dim)
+        The key storage (a read-only view). Only the first ``lengths[b]``
+        positions of sequence ``b`` are in use.
+    value : ndarray, shape (batch, num_kv_heads, max_len, value_dim)
+        The value storage (a read-only view).
+    lengths : ndarray of int64, shape (batch,)
+        Tokens held per sequence (a read-only view).
+    batch, num_kv_heads, max_len, head_dim, value_dim : int
+    dtype : numpy.dtype
+    nbytes : int
+        Bytes of the key and value storage.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> cache = attnx.KVCache(2, 4, 128, 16, dtype=np.float16)
+    >>> k = v = np.ones((2, 4, 3, 16), np.float32)
+    >>> cache.append(k, v, lengths=[3, 1])          # ragged: 3 new tokens, and 1
+    >>> cache.lengths
+    array([3, 1])
+    >>> q = np.ones((2, 8, 1, 16), np.float32)      # 8 query heads share 4 kv heads
+    >>> attnx.cached_attention(q, cache).shape
+    (2, 8, 1, 16)
+    """
+
+    def __init__(self, batch, num_kv_heads, max_len, head_dim, dtype=np.float32, *, value_dim=None):
+        self._batch = as_positive_int(batch, "batch")
+        self._num_kv_heads = as_positive_int(num_kv_heads, "num_kv_heads")
+        self._max_len = as_positive_int(max_len, "max_len")
+        self._head_dim = as_positive_int(head_dim, "head_dim")
+        self._value_dim = self._head_dim if value_dim is None else as_positive_int(value_dim, "value_dim")
+        self._dtype = _storage_dtype(dtype)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        lead = (self._batch, self._num_kv_heads, self._max_len)
+        self._key = np.zeros(lead + (self._head_dim,), self._dtype)
+        self._value = np.zeros(lead + (self._value_dim,), self._dtype)
+        self._lengths = np.zeros(self._batch, np.int64)
+
+    # ------------------------------------------------------------------------------------------
+    # Read-only views and sizes
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def key(self) -> np.ndarray:
+        return _read_only(self._key)
+
+    @property
+    def value(self) -> np.ndarray:
+        return _read_only(self._value)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return _read_only(self._lengths)
+
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._num_kv_heads
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self._value_dim
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self._key.nbytes + self._value.nbytes
+
+    # ------------------------------------------------------------------------------------------
+    # Updates
+    # ------------------------------------------------------------------------------------------
+
+    def _check_new(self, x, name: str, width: int) -> np.ndarray:
+        a = np.asarray(x)
+        if not is_floating(a.dtype):
+            raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
+        expected = f"(batch, num_kv_heads, T, {'head_dim' if name == 'key' else 'value_dim'})"
+        if a.ndim != 4 or a.shape[:2] != (self._batch, self._num_kv_heads) or a.shape[3] != width:
+            raise ValueError(
+                f"{name} must have shape {expected} = ({self._batch}, {self._num_kv_heads}, T, {width}) "
+                f"for this cache, got {shape_str(a.shape)}"
+            )
+        return a
+
+    def append(self, key, value, lengths=None) -> None:
+        """Write the keys and values of new tokens after each sequence's current length.
+
+        Parameters
+        ----------
+        key : array_like, shape (batch, num_kv_heads, T, head_dim)
+            Keys of ``T`` new tokens per sequence; converted to the cache's dtype.
+        value : array_like, shape (batch, num_kv_heads, T, value_dim)
+            Values of the same tokens.
+        lengths : array_like of int, shape (batch,), optional
+            How many of the ``T`` new tokens are valid per sequence, each in
+            ``[0, T]`` (ragged batches: the valid tokens come first; the rest
+            are ignored). Default: all ``T``.
+
+        Raises
+        ------
+        ValueError
+            Shapes that do not fit the cache, lengths out of range, or a
+            sequence that would grow past ``max_len``. Nothing is written
+            when an error is raised.
+        TypeError
+            Non-floating keys or values, or non-integer lengths.
+        """
+        k = self._check_new(key, "key", self._head_dim)
+        v = self._check_new(value, "value", self._value_dim)
+        T = k.shape[2]
+        if v.shape[2] != T:
+            raise ValueError(
+                f"key and value must hold the same number of new tokens (dim 2): key {shape_str(k.shape)}, "
+                f"value {shape_str(v.shape)}"
+            )
+        if lengths is None:
+            new = np.full(self._batch, T, np.int64)
+        else:
+            new = as_lengths(lengths, self._batch, T, "lengths", f"T = {T}, the new tokens per sequence")
+        total = self._lengths + new
+        if total.max(initial=0) > self._max_len:
+            full = [int(b) for b in np.nonzero(total > self._max_len)[0]]
+            raise ValueError(
+                f"appending lengths {new.tolist()} to a cache of max_len {self._max_len} with lengths "
+                f"{self._lengths.tolist()} overflows sequence(s) {full}; nothing was written "
+                f"(reset finished sequences, or allocate a longer cache)"
+            )
+        start = self._lengths
+        if lengths is None and (start == start[0]).all():
+            # Every sequence at the same position: one block copy.
+            s = int(start[0])
+            self._key[:, :, s : s + T] = k
+            self._value[:, :, s : s + T] = v
+        else:
+            for b in range(self._batch):
+                s, n = int(start[b]), int(new[b])
+                if n:
+                    self._key[b, :, s : s + n] = k[b, :, :n]
+                    self._value[b, :, s : s + n] = v[b, :, :n]
+        self._lengths += new
+
+    def reset(self, index=None) -> None:
+        """Empty every sequence, or the slot ``index`` only (for continuous batching).
+
+        Parameters
+        ----------
+        index : int, optional
+            The slot to empty (negative counts from the end); default all.
+            The storage is not cleared: positions at or past a sequence's
+            length are never read.
+
+        Raises
+        ------
+        IndexError
+            ``index`` outside ``[-batch, batch)``.
+        TypeError
+            ``index`` that is not an integer.
+        """
+        if index is None:
+            self._lengths[:] = 0
+            return
+        if isinstance(index, (bool, np.bool_)):
+            raise TypeError(f"index must be an int or None, got {index!r}")
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(f"index must be an int or None, got {index!r}") from None
+        if not -self._batch <= i < self._batch:
+            raise IndexError(f"index {i} is out of range for a cache of batch {self._batch}")
+        self._lengths[i] = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Pickling (only the positions in use travel) and repr
+    # ------------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        used = int(self._lengths.max(initial=0))
+        return {
+            "shape": (self._batch, self._num_kv_heads, self._max_len, self._head_dim, self._value_dim),
+            "dtype": self._dtype,
+            "lengths": self._lengths.copy(),
+            "key": self._key[:, :, :used].copy(),
+            "value": self._value[:, :, :used].copy(),
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self._batch, self._num_kv_heads, self._max_len, self._head_dim, self._value_dim = state["shape"]
+        self._dtype = np.dtype(state["dtype"])
+        self._allocate()
+        used = state["key"].shape[2]
+        self._key[:, :, :used] = state["key"]
+        self._value[:, :, :used] = state["value"]
+        self._lengths[:] = state["lengths"]
+
+    def __repr__(self) -> str:
+        args = [
+            f"batch={self._batch}", f"num_kv_heads={self._num_kv_heads}", f"max_len={self._max_len}",
+            f"head_dim={self._head_dim}",
+        ]
+        if self._value_dim != self._head_dim:
+            args.append(f"value_dim={self._value_dim}")
+        args.append(f"dtype={self._dtype.name}")
+        lengths = np.array2string(self._lengths, separator=", ", threshold=8, edgeitems=3)
+        args.append(f"lengths={lengths}")
+        return f"{type(self).__name__}({', '.join(args)})"
