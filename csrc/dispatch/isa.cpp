@@ -7,6 +7,11 @@
 #include "attnx/runtime.h"
 #include "kernels/kernel_table.h"
 
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#define ATTNX_X86_CPUID 1
+#endif
+
 namespace attnx {
 namespace {
 
@@ -38,16 +43,35 @@ const char* isa_name(Isa isa) {
   }
 }
 
+#if defined(ATTNX_X86_CPUID)
+namespace {
+// F16C (vcvtph2ps), which the AVX2 kernels use to widen float16: CPUID leaf
+// 1, ECX bit 29. Read directly: not every compiler's __builtin_cpu_supports
+// knows "f16c". Its registers are the AVX ones, whose saving by the OS the
+// avx2 check below has already confirmed.
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+}
+}  // namespace
+#endif
+
 Isa detect_cpu_isa() {
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if defined(ATTNX_X86_CPUID)
   // __builtin_cpu_supports also checks that the OS saves the wide registers.
+  // The levels nest: ATTNX_ISA may pick any level up to the CPU's, so the
+  // AVX-512 level also needs everything the AVX2 kernels use.
   __builtin_cpu_init();
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+  if (!avx2) return Isa::kScalar;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
+  return Isa::kAvx2;
+#else
   return Isa::kScalar;
+#endif
 }
 
 void select_isa(const std::string& requested) {

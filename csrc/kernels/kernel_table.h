@@ -61,6 +61,9 @@ struct KernelTable {
 
   // Widening of 16-bit storage, in the float tables only (null in the double ones):
   // dst[i] = src[i] as float32, exactly: subnormals, infinities and NaN (quiet) included.
+  // A NaN keeps its sign and payload and comes out quiet, so every ISA gives the same bits.
+  // src and dst need no alignment beyond their element's; nothing past src[n-1] is read
+  // and nothing past dst[n-1] is written.
   void (*widen_float16)(const uint16_t* src, int64_t n, float* dst);   // IEEE binary16
   void (*widen_bfloat16)(const uint16_t* src, int64_t n, float* dst);  // bfloat16 (top half of a float32)
 };

@@ -1,5 +1,5 @@
-// AVX2 + FMA kernels. This file alone is compiled with -mavx2 -mfma; it runs
-// only where the dispatcher found both in CPUID.
+// AVX2 + FMA + F16C kernels. This file alone is compiled with -mavx2 -mfma
+// -mf16c; it runs only where the dispatcher found all three in CPUID.
 #include "kernels/simd/attention_kernels.h"
 #include "kernels/simd/vec_avx2.h"
 

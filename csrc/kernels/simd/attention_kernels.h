@@ -326,11 +326,43 @@ struct Kernels {
     return Vec::reduce_add(probe) == T(0);
   }
 
+  // ---- widening of 16-bit storage (float vectors only) -------------------
+  // dst[i] = src[i] widened to float, W at a time; the tail by a partial load
+  // and store, so nothing past src[n-1] is read or past dst[n-1] written.
+  template <bool kBfloat16>
+  static void widen(const uint16_t* src, int64_t n, T* dst) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      if constexpr (kBfloat16)
+        Vec::store(dst + i, Vec::load_widen_bf16(src + i));
+      else
+        Vec::store(dst + i, Vec::load_widen_f16(src + i));
+    }
+    if (i < n) {
+      const int len = static_cast<int>(n - i);
+      if constexpr (kBfloat16)
+        Vec::store_partial(dst + i, Vec::load_widen_bf16_partial(src + i, len), len);
+      else
+        Vec::store_partial(dst + i, Vec::load_widen_f16_partial(src + i, len), len);
+    }
+  }
+  static void widen_float16(const uint16_t* src, int64_t n, float* dst) {
+    widen<false>(src, n, dst);
+  }
+  static void widen_bfloat16(const uint16_t* src, int64_t n, float* dst) {
+    widen<true>(src, n, dst);
+  }
+
   static KernelTable<T> table(const char* name, Isa isa) {
-    return KernelTable<T>{name,   isa,          QT,     NR,
-                          gemm,   softmax_tile, scores, accumulate_pv,
-                          exp_shift_sum, scale,        all_finite,
-                          pack_transposed, gemm_wide, nullptr, nullptr};
+    KernelTable<T> t{name,   isa,          QT,     NR,
+                     gemm,   softmax_tile, scores, accumulate_pv,
+                     exp_shift_sum, scale,        all_finite,
+                     pack_transposed, gemm_wide, nullptr, nullptr};
+    if constexpr (Vec::kWidens16) {
+      t.widen_float16 = widen_float16;
+      t.widen_bfloat16 = widen_bfloat16;
+    }
+    return t;
   }
 };
 

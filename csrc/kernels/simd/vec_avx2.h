@@ -1,5 +1,5 @@
 // AVX2 + FMA vectors of float (8 lanes) and double (4 lanes), for kernels
-// compiled with -mavx2 -mfma.
+// compiled with -mavx2 -mfma -mf16c.
 #pragma once
 
 #include <immintrin.h>
@@ -24,6 +24,22 @@ inline __m256i first_lanes64(int n) {
   const __m256i lane = _mm256_setr_epi64x(0, 1, 2, 3);
   return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), lane);
 }
+// The first n < 8 16-bit values at p, zeros above: AVX2 has no masked 16-bit
+// load, so they are copied through a buffer (nothing past p[n-1] is read).
+inline __m128i load_u16_partial(const uint16_t* p, int n) {
+  alignas(16) uint16_t buf[8] = {};
+  for (int i = 0; i < n; ++i) buf[i] = p[i];
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+}
+// 8 bfloat16 values -> float: each becomes the top half of a float, and a NaN
+// is made quiet (integer compare: no floating-point flag is raised).
+inline __m256 widen_bf16(__m128i h) {
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_and_si256(nan, _mm256_set1_epi32(0x00400000));
+  return _mm256_castsi256_ps(_mm256_or_si256(bits, quiet));
+}
 }  // namespace avx2_detail
 
 struct Avx2F32 {
@@ -41,6 +57,21 @@ struct Avx2F32 {
   }
   static void store_partial(T* p, V v, int n) {
     _mm256_maskstore_ps(p, avx2_detail::first_lanes32(n), v);
+  }
+  // Loads of 8 (or the first n, zeros above) 16-bit floats widened to float;
+  // float16 by F16C's vcvtph2ps, which is exact and makes a NaN quiet.
+  static constexpr bool kWidens16 = true;
+  static V load_widen_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V load_widen_f16_partial(const uint16_t* p, int n) {
+    return _mm256_cvtph_ps(avx2_detail::load_u16_partial(p, n));
+  }
+  static V load_widen_bf16(const uint16_t* p) {
+    return avx2_detail::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V load_widen_bf16_partial(const uint16_t* p, int n) {
+    return avx2_detail::widen_bf16(avx2_detail::load_u16_partial(p, n));
   }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
@@ -139,6 +170,7 @@ struct Avx2F64 {
   static void store_partial(T* p, V v, int n) {
     _mm256_maskstore_pd(p, avx2_detail::first_lanes64(n), v);
   }
+  static constexpr bool kWidens16 = false;
   static V add(V a, V b) { return _mm256_add_pd(a, b); }
   static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
   static V mul(V a, V b) { return _mm256_mul_pd(a, b); }

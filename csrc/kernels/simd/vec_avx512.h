@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
 #include <limits>
 
 #include "kernels/simd/exp_constants.h"
@@ -26,6 +27,31 @@ struct Avx512F32 {
   static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static V load_partial(const T* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
   static void store_partial(T* p, V v, int n) { _mm512_mask_storeu_ps(p, first(n), v); }
+  // Loads of 16 (or the first n, zeros above; masked, so nothing past p[n-1]
+  // is read) 16-bit floats widened to float. float16 by vcvtph2ps, which is
+  // exact and makes a NaN quiet; bfloat16 by shifting its bits into the top
+  // half of a float, a NaN made quiet the same way (integer compare: no
+  // floating-point flag is raised).
+  static constexpr bool kWidens16 = true;
+  static V load_widen_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V load_widen_f16_partial(const uint16_t* p, int n) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(n), p));
+  }
+  static V load_widen_bf16(const uint16_t* p) {
+    return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V load_widen_bf16_partial(const uint16_t* p, int n) {
+    return widen_bf16(_mm256_maskz_loadu_epi16(first(n), p));
+  }
+  static V widen_bf16(__m256i h) {
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_set1_epi32(0x00400000);
+    return _mm512_castsi512_ps(_mm512_mask_or_epi32(bits, nan, bits, quiet));
+  }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -109,6 +135,7 @@ struct Avx512F64 {
   static __mmask8 first(int n) { return static_cast<__mmask8>((1u << n) - 1u); }
   static V load_partial(const T* p, int n) { return _mm512_maskz_loadu_pd(first(n), p); }
   static void store_partial(T* p, V v, int n) { _mm512_mask_storeu_pd(p, first(n), v); }
+  static constexpr bool kWidens16 = false;
   static V add(V a, V b) { return _mm512_add_pd(a, b); }
   static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
   static V mul(V a, V b) { return _mm512_mul_pd(a, b); }

@@ -4,12 +4,49 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
 // copy of it may be merged with another built for a different one.
 namespace {
+
+// The float32 bits of an IEEE binary16 value, exactly, in integer arithmetic
+// (no floating-point mode such as flush-to-zero can change them). A NaN keeps
+// its sign and payload and is made quiet, as x86's vcvtph2ps does.
+inline uint32_t float16_to_float32_bits(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1f)  // infinity or NaN
+    return sign | 0x7f800000u | (mantissa << 13) | (mantissa ? 0x00400000u : 0u);
+  if (exponent != 0)  // normal: rebias 15 -> 127
+    return sign | ((exponent + 112) << 23) | (mantissa << 13);
+  if (mantissa == 0) return sign;  // +-0
+  // Subnormal, mantissa * 2^-24: shift until the implicit bit (bit 10) is set;
+  // each shift lowers the exponent from that of 2^-14 (biased 113) by one.
+  uint32_t biased = 113;
+  while (!(mantissa & 0x400u)) {
+    mantissa <<= 1;
+    --biased;
+  }
+  return sign | (biased << 23) | ((mantissa & 0x3ffu) << 13);
+}
+
+// The float32 bits of a bfloat16 value: its bits are the top half of the
+// float's; a NaN is made quiet, as for float16.
+inline uint32_t bfloat16_to_float32_bits(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? bits | 0x00400000u : bits;
+}
+
+inline float float_from_bits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 template <typename Scalar>
 struct Portable {
@@ -41,6 +78,21 @@ struct Portable {
   }
   static void store_partial(T* p, V v, int n) {
     for (int i = 0; i < n; ++i) p[i] = v.lane[i];
+  }
+  // Loads of W (or the first n, zeros above) 16-bit floats widened to T; for
+  // the float vectors only (kWidens16).
+  static constexpr bool kWidens16 = sizeof(T) == sizeof(float);
+  static V load_widen_f16(const uint16_t* p) { return load_widen_f16_partial(p, W); }
+  static V load_widen_f16_partial(const uint16_t* p, int n) {
+    return map([p, n](int i) {
+      return i < n ? float_from_bits(float16_to_float32_bits(p[i])) : T(0);
+    });
+  }
+  static V load_widen_bf16(const uint16_t* p) { return load_widen_bf16_partial(p, W); }
+  static V load_widen_bf16_partial(const uint16_t* p, int n) {
+    return map([p, n](int i) {
+      return i < n ? float_from_bits(bfloat16_to_float32_bits(p[i])) : T(0);
+    });
   }
   static V add(V a, V b) {
     return map([&](int i) { return a.lane[i] + b.lane[i]; });
