@@ -24,3 +24,15 @@ def test_quickstart_runs_and_shapes_match_its_comments():
     weights, padding = namespace["weights"], namespace["padding"]
     assert np.all(weights[padding[:, None, :].repeat(100, axis=1)] == 0)
     np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-5)
+
+
+def test_decoding_section_runs_and_shapes_match_its_comments():
+    text = README.read_text()
+    section = text[text.index("## Decoding with a KV cache") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "README decoding", "exec"), namespace)
+    assert namespace["y"].shape == (2, 1, 256) and namespace["y"].dtype == np.float32
+    assert namespace["cache"].lengths.tolist() == [15, 0]
+    assert namespace["kv"].lengths.tolist() == [4, 4]
+    assert namespace["out"].shape == (2, 8, 1, 64)
