@@ -112,15 +112,20 @@ def test_sdpa_string_input(arg):
         sdpa(**inputs)
 
 
-OTHER_FLOATS = [np.float16] + ([np.longdouble] if np.dtype(np.longdouble) != np.float64 else [])
+OTHER_FLOATS = [np.longdouble] if np.dtype(np.longdouble) != np.float64 else []
 
 
 @pytest.mark.parametrize("dtype", OTHER_FLOATS)
-def test_sdpa_query_must_be_float32_or_float64(dtype):
+def test_sdpa_query_must_be_float32_float64_or_half(dtype):
     q, k, v = qkv()
     with pytest.raises(TypeError, match="query"):
         sdpa(q.astype(dtype), k, v)
-    # float16 key and value with a float32 query are fine.
+
+
+def test_sdpa_float16_query_and_keys():
+    # float16 is a storage dtype: computed in float32, returned as float16.
+    q, k, v = qkv()
+    assert sdpa(q.astype(np.float16), k, v).dtype == np.float16
     assert sdpa(q, k.astype(np.float16), v.astype(np.float16)).dtype == f32
 
 
@@ -417,12 +422,16 @@ def test_mha_input_dtypes(name, bad_dtype):
 
 
 def test_mha_float16_query():
+    # The query's dtype is the result's: float16 is computed in float32 and returned as float16.
     args = good()
-    with pytest.raises(TypeError, match="query"):
-        mha(**{**args, "query": args["query"].astype(np.float16)})
+    out, weights = mha(**{**args, "query": args["query"].astype(np.float16)})
+    assert out.dtype == weights.dtype == np.float16
     f16 = {k: (args[k].astype(np.float16)) for k in ("key", "value", "in_proj_weight", "out_proj_weight")}
     out, _ = mha(**{**args, **f16})
     assert out.dtype == f32
+    if np.dtype(np.longdouble) != np.float64:
+        with pytest.raises(TypeError, match="query"):
+            mha(**{**args, "query": args["query"].astype(np.longdouble)})
 
 
 # ---------------------------------------------------------------------------------------------
