@@ -66,6 +66,12 @@ struct KernelTable {
   // and nothing past dst[n-1] is written.
   void (*widen_float16)(const uint16_t* src, int64_t n, float* dst);   // IEEE binary16
   void (*widen_bfloat16)(const uint16_t* src, int64_t n, float* dst);  // bfloat16 (top half of a float32)
+  // scores and accumulate_pv with keys / values read straight from 16-bit
+  // storage, widened in registers ([0] float16, [1] bfloat16; float tables only).
+  void (*scores_16bit[2])(const T* q, const uint16_t* k, int64_t ldk, int64_t n_keys, int64_t dim,
+                          T scale, T* dst);
+  void (*accumulate_pv_16bit[2])(const T* p, const uint16_t* v, int64_t ldv, int64_t n_keys,
+                                 int64_t dim, T* acc);
 };
 
 const KernelTable<float>& scalar_kernels_f32();

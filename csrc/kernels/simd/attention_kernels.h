@@ -184,57 +184,80 @@ struct Kernels {
   }
 
   // ---- row kernels ---------------------------------------------------------
-  static T dot(const T* x, const T* y, int64_t n) {
-    V acc0 = Vec::zero(), acc1 = Vec::zero();
-    int64_t i = 0;
-    for (; i + 2 * W <= n; i += 2 * W) {
-      acc0 = Vec::fmadd(Vec::load(x + i), Vec::load(y + i), acc0);
-      acc1 = Vec::fmadd(Vec::load(x + i + W), Vec::load(y + i + W), acc1);
-    }
-    for (; i < n; i += W) {
-      const int len = static_cast<int>(min64(W, n - i));
-      acc0 = Vec::fmadd(Vec::load_partial(x + i, len), Vec::load_partial(y + i, len), acc0);
-    }
-    return Vec::reduce_add(Vec::add(acc0, acc1));
+  // Loads of stored elements as vectors of T: T itself, or 16-bit floats
+  // (float16, bfloat16) widened on the way in.
+  enum class Stored { kNative, kFloat16, kBfloat16 };
+  template <Stored kSrc, typename P>
+  static V load_stored(const P* p) {
+    if constexpr (kSrc == Stored::kFloat16)
+      return Vec::load_widen_f16(p);
+    else if constexpr (kSrc == Stored::kBfloat16)
+      return Vec::load_widen_bf16(p);
+    else
+      return Vec::load(p);
+  }
+  template <Stored kSrc, typename P>
+  static V load_stored_partial(const P* p, int n) {
+    if constexpr (kSrc == Stored::kFloat16)
+      return Vec::load_widen_f16_partial(p, n);
+    else if constexpr (kSrc == Stored::kBfloat16)
+      return Vec::load_widen_bf16_partial(p, n);
+    else
+      return Vec::load_partial(p, n);
   }
 
-  static void scores(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
-                     T* dst) {
+  template <Stored kSrc, typename P>
+  static void scores_of(const T* q, const P* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
+                        T* dst) {
     // Four keys at a time: each query vector is loaded once for four keys,
     // and the four horizontal sums at the end overlap instead of chaining.
     int64_t j = 0;
     for (; j + 4 <= n_keys; j += 4) {
-      const T* k0 = k + j * ldk;
-      const T* k1 = k0 + ldk;
-      const T* k2 = k1 + ldk;
-      const T* k3 = k2 + ldk;
+      const P* k0 = k + j * ldk;
+      const P* k1 = k0 + ldk;
+      const P* k2 = k1 + ldk;
+      const P* k3 = k2 + ldk;
       V a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
       int64_t i = 0;
       for (; i + W <= dim; i += W) {
         const V qi = Vec::load(q + i);
-        a0 = Vec::fmadd(qi, Vec::load(k0 + i), a0);
-        a1 = Vec::fmadd(qi, Vec::load(k1 + i), a1);
-        a2 = Vec::fmadd(qi, Vec::load(k2 + i), a2);
-        a3 = Vec::fmadd(qi, Vec::load(k3 + i), a3);
+        a0 = Vec::fmadd(qi, load_stored<kSrc>(k0 + i), a0);
+        a1 = Vec::fmadd(qi, load_stored<kSrc>(k1 + i), a1);
+        a2 = Vec::fmadd(qi, load_stored<kSrc>(k2 + i), a2);
+        a3 = Vec::fmadd(qi, load_stored<kSrc>(k3 + i), a3);
       }
       if (i < dim) {
         const int len = static_cast<int>(dim - i);
         const V qi = Vec::load_partial(q + i, len);
-        a0 = Vec::fmadd(qi, Vec::load_partial(k0 + i, len), a0);
-        a1 = Vec::fmadd(qi, Vec::load_partial(k1 + i, len), a1);
-        a2 = Vec::fmadd(qi, Vec::load_partial(k2 + i, len), a2);
-        a3 = Vec::fmadd(qi, Vec::load_partial(k3 + i, len), a3);
+        a0 = Vec::fmadd(qi, load_stored_partial<kSrc>(k0 + i, len), a0);
+        a1 = Vec::fmadd(qi, load_stored_partial<kSrc>(k1 + i, len), a1);
+        a2 = Vec::fmadd(qi, load_stored_partial<kSrc>(k2 + i, len), a2);
+        a3 = Vec::fmadd(qi, load_stored_partial<kSrc>(k3 + i, len), a3);
       }
       dst[j] = scale * Vec::reduce_add(a0);
       dst[j + 1] = scale * Vec::reduce_add(a1);
       dst[j + 2] = scale * Vec::reduce_add(a2);
       dst[j + 3] = scale * Vec::reduce_add(a3);
     }
-    for (; j < n_keys; ++j) dst[j] = scale * dot(q, k + j * ldk, dim);
+    for (; j < n_keys; ++j) {
+      const P* kj = k + j * ldk;
+      V acc = Vec::zero();
+      for (int64_t i = 0; i < dim; i += W) {
+        const int len = static_cast<int>(min64(W, dim - i));
+        acc = Vec::fmadd(Vec::load_partial(q + i, len), load_stored_partial<kSrc>(kj + i, len), acc);
+      }
+      dst[j] = scale * Vec::reduce_add(acc);
+    }
   }
 
-  static void accumulate_pv(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
-                            T* acc) {
+  static void scores(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
+                     T* dst) {
+    scores_of<Stored::kNative>(q, k, ldk, n_keys, dim, scale, dst);
+  }
+
+  template <Stored kSrc, typename P>
+  static void accumulate_pv_of(const T* p, const P* v, int64_t ldv, int64_t n_keys, int64_t dim,
+                               T* acc) {
     // Up to 8 vectors of the accumulator stay in registers across the keys,
     // so a value row of up to 8W elements is streamed once.
     constexpr int kVectors = 8;
@@ -250,17 +273,22 @@ struct Kernels {
                                              : Vec::zero());
       for (int64_t j = 0; j < n_keys; ++j) {
         const V pj = Vec::set1(p[j]);
-        const T* vj = v + j * ldv + d0;
+        const P* vj = v + j * ldv + d0;
 #pragma GCC unroll 8
         for (int u = 0; u < kVectors; ++u)
-          if (u < full) a[u] = Vec::fmadd(pj, Vec::load(vj + u * W), a[u]);
-        if (tail) a[full] = Vec::fmadd(pj, Vec::load_partial(vj + full * W, tail), a[full]);
+          if (u < full) a[u] = Vec::fmadd(pj, load_stored<kSrc>(vj + u * W), a[u]);
+        if (tail) a[full] = Vec::fmadd(pj, load_stored_partial<kSrc>(vj + full * W, tail), a[full]);
       }
 #pragma GCC unroll 8
       for (int u = 0; u < kVectors; ++u)
         if (u < full) Vec::store(acc + d0 + u * W, a[u]);
       if (tail) Vec::store_partial(acc + d0 + full * W, a[full], tail);
     }
+  }
+
+  static void accumulate_pv(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
+                            T* acc) {
+    accumulate_pv_of<Stored::kNative>(p, v, ldv, n_keys, dim, acc);
   }
 
   static T exp_shift_sum(T* x, int64_t n, T shift) {
@@ -357,10 +385,15 @@ struct Kernels {
     KernelTable<T> t{name,   isa,          QT,     NR,
                      gemm,   softmax_tile, scores, accumulate_pv,
                      exp_shift_sum, scale,        all_finite,
-                     pack_transposed, gemm_wide, nullptr, nullptr};
+                     pack_transposed, gemm_wide, nullptr, nullptr,
+                     {nullptr, nullptr}, {nullptr, nullptr}};
     if constexpr (Vec::kWidens16) {
       t.widen_float16 = widen_float16;
       t.widen_bfloat16 = widen_bfloat16;
+      t.scores_16bit[0] = scores_of<Stored::kFloat16, uint16_t>;
+      t.scores_16bit[1] = scores_of<Stored::kBfloat16, uint16_t>;
+      t.accumulate_pv_16bit[0] = accumulate_pv_of<Stored::kFloat16, uint16_t>;
+      t.accumulate_pv_16bit[1] = accumulate_pv_of<Stored::kBfloat16, uint16_t>;
     }
     return t;
   }
