@@ -52,7 +52,9 @@ else:
 from attnx import _core, reference
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
-TOL = {F32: dict(rtol=1e-5, atol=1e-6), F64: dict(rtol=1e-12, atol=1e-12)}
+F16 = np.dtype(np.float16)
+# A float16 result is the float32 result rounded once: half an ulp (2^-11) plus float32's error.
+TOL = {F32: dict(rtol=1e-5, atol=1e-6), F64: dict(rtol=1e-12, atol=1e-12), F16: dict(rtol=1e-3, atol=1e-5)}
 ALLOWED = (ValueError, TypeError, NotImplementedError)
 HUGE_BYTES = 2**40  # a request needing this much memory may raise MemoryError
 BASE_THREADS = 2
