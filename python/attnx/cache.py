@@ -83,6 +83,13 @@ class KVCache:
     nbytes : int
         Bytes of the key and value storage.
 
+    Notes
+    -----
+    Reading a cache from several threads at once is safe; appending to it
+    (:meth:`append`, or :func:`attnx.cached_attention` / ``step`` with new
+    tokens) while another thread uses it is not. Pickling keeps only the
+    positions in use.
+
     Examples
     --------
     >>> import numpy as np, attnx
