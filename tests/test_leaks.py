@@ -79,6 +79,26 @@ def _load():
     MODULE.load_state_dict(STATE)
 
 
+K16, V16 = K.astype(np.float16), V.astype(np.float16)
+CACHE = attnx.KVCache(1, 2, 6, 8, np.float16)
+FULL_CACHE = attnx.KVCache(1, 2, 6, 8)
+FULL_CACHE.append(K, V)
+STEP_MODULE = attnx.MultiheadAttention(8, 2, seed=2)
+STEP_CACHE = STEP_MODULE.new_cache(2, 8)
+LINEAR_OUT = np.empty((5, 24), f32)
+
+
+def _cached_attention():
+    CACHE.reset()
+    attnx.cached_attention(Q, CACHE, K[:, :, :4], V[:, :, :4], lengths=np.array([3]))
+
+
+def _step():
+    STEP_CACHE.reset()
+    STEP_MODULE.step(X[:3], STEP_CACHE)
+    STEP_MODULE.step(X[3:4], STEP_CACHE)
+
+
 # name -> (call, exception it must raise or None)
 ENTRIES = {
     "sdpa plain": (lambda: attnx.scaled_dot_product_attention(Q, K, V), None),
@@ -103,6 +123,15 @@ ENTRIES = {
     "_core.sdpa_plain": (lambda: _core.sdpa_plain(Q, K, V, False), None),
     "_core.mha": (core_mha, None),
     "_core.mha raises": (lambda: core_mha(num_heads=3), ValueError),
+    "sdpa bottom-right, window": (
+        lambda: attnx.scaled_dot_product_attention(Q, K, V, is_causal="bottom_right", window=(2, 0)), None),
+    "sdpa float16 keys/values": (lambda: attnx.scaled_dot_product_attention(Q, K16, V16), None),
+    "sdpa raises (window)": (lambda: attnx.scaled_dot_product_attention(Q, K, V, window=(-1, 0)), ValueError),
+    "cached_attention, append": (_cached_attention, None),
+    "cached_attention raises (full)": (lambda: attnx.cached_attention(Q, FULL_CACHE, K[:, :, :1], V[:, :, :1]),
+                                       ValueError),
+    "module step": (_step, None),
+    "_core.linear": (lambda: _core.linear(X[0], W, B, LINEAR_OUT[:2]), None),
 }
 
 
