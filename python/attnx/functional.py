@@ -185,12 +185,17 @@ def scaled_dot_product_attention(
     mask4 = None
     if attn_mask is not None:
         mask = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
+        # The scores have the result's rank: a mask of higher rank does not broadcast to
+        # them, even where its extra leading dims are 1.
+        scores_shape = result_shape[:-1] + (S,)
         try:
+            if mask.ndim > len(scores_shape):
+                raise ValueError
             mask = np.broadcast_to(mask, full_batch + (L, S))
         except ValueError:
             raise ValueError(
                 f"attn_mask of shape {shape_str(np.shape(attn_mask))} does not broadcast to the "
-                f"scores' shape {shape_str(full_batch + (L, S))}"
+                f"scores' shape {shape_str(scores_shape)}"
             ) from None
         # The lead dims stay as they are: the core reads them through their
         # strides even where they cannot merge into one (e.g. strides (0, s)).
