@@ -273,7 +273,9 @@ def scaled_dot_product_attention(
             ) from None
     if causal or window is not None:
         positions = _causal_bias(tgt_len, src_len, dtype, bottom_right, window, causal)
-        bias = positions if bias is None else bias + positions
+        # A key outside the causal/window band is closed whatever the mask holds there
+        # (a NaN or +inf mask value of a closed key must not reach the row).
+        bias = positions if bias is None else np.where(positions == -np.inf, positions, bias)
 
     if scale is None:
         head_size = q.shape[-1]
