@@ -430,7 +430,9 @@ def fuzz_sdpa(p: Provider):
         m[np.random.default_rng(p.seed()).random((L, S)) < 0.3] = -np.inf
         args["attn_mask"] = m
     elif mask_kind == 3:
-        args["is_causal"] = True
+        args["is_causal"] = p.choice([True, "top_left", "bottom_right"])
+    if p.bool(0.3):
+        args["window"] = (p.choice([None, 0, 1, 5, 200]), p.choice([None, 0, 2, 40]))
     if p.bool(0.3):
         args["scale"] = p.choice([0.0, 0.1, -0.5, 2.0, np.float32(0.25)])
     for name in ("query", "key", "value", "attn_mask"):
@@ -790,8 +792,58 @@ def fuzz_core(p: Provider):
     ok, _ = call("_core.mha", lambda: _core.mha(**a))
 
 
+def fuzz_cache(p: Provider):
+    """A KVCache filled over a few steps of cached_attention (ragged lengths, GQA, windows,
+    float16 storage), each result against the reference over the cache's contents; a
+    malformed argument must raise before anything is appended."""
+    dtype = p.choice([F32, F32, F64, F16])
+    B, Hk, group = p.int(1, 3), p.int(1, 2), p.int(1, 3)
+    D, Dv = p.choice([1, 4, 8, 17]), p.choice([None, 3, 8])
+    ctor = [B, Hk, p.choice([1, 5, 40, 600]), D, dtype]
+    if p.bool(0.15):
+        ctor[p.int(0, 4)] = p.choice([-1, 0, 2.5, "3", None, np.int64(2), 2**40, np.dtype(np.int32)])
+    ok, cache = call("KVCache()", lambda: attnx.KVCache(*ctor, value_dim=Dv), huge=True)
+    if not ok:
+        return
+    Dv = cache.value_dim
+    for _ in range(p.int(1, 3)):
+        T = p.choice([0, 1, 2, 7])
+        q_dtype = p.choice([dtype, F32, F16]) if dtype != F64 else F64
+        args = {
+            "query": values(p, (B, Hk * group, T, D), q_dtype),
+            "key": values(p, (B, Hk, T, D), dtype) if p.bool(0.8) else None,
+            "lengths": None, "window": None,
+        }
+        args["value"] = values(p, (B, Hk, T, Dv), dtype) if args["key"] is not None else None
+        if p.bool(0.4):
+            args["lengths"] = np.random.default_rng(p.seed()).integers(0, T + 1, B)
+        if p.bool(0.3):
+            args["window"] = (p.choice([None, 0, 1, 30]), p.choice([None, 0, 3]))
+        n_mut = p.choice([0, 0, 0, 1, 2])
+        mutate(p, args, ["query", "key", "value", "lengths", "window"], n_mut)
+        before = cache.lengths.copy()
+        inputs = [args["query"], args["key"], args["value"], args["lengths"]]
+        snap = snapshot(inputs)
+        ok, got = call("cached_attention", lambda: attnx.cached_attention(
+            args["query"], cache, args["key"], args["value"], lengths=args["lengths"], window=args["window"]))
+        check_untouched(snap, "cached_attention", allowed=[])
+        if not ok:
+            if not np.array_equal(cache.lengths, before):
+                raise Disallowed("cached_attention: raised after appending to the cache")
+            continue
+        q = np.asarray(args["query"])
+        n = (np.full(B, q.shape[2]) if args["lengths"] is None else np.asarray(args["lengths"])).astype(np.int64)
+        expected = reference_of(lambda: reference.cached_attention(
+            np.asarray(q, np.float64), np.asarray(cache.key, np.float64), np.asarray(cache.value, np.float64),
+            cache.lengths, query_lengths=n, window=args["window"]))
+        if expected is None:
+            raise Disallowed("cached_attention: attnx computed a result for a call the reference rejects")
+        moderate = logits_moderate(q, np.asarray(cache.key), 1 / math.sqrt(D))
+        compare(got, expected, np.dtype(got.dtype), "cached_attention", [q, cache.key, cache.value], moderate)
+
+
 ENTRY_POINTS = [fuzz_sdpa, fuzz_sdpa, fuzz_mha, fuzz_mha, fuzz_module, fuzz_core, fuzz_core,
-                fuzz_set_num_threads]
+                fuzz_set_num_threads, fuzz_cache]
 
 
 def TestOneInput(data: bytes) -> None:  # noqa: N802 - atheris' name
