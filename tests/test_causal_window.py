@@ -273,3 +273,16 @@ def test_window_accepts_numpy_integers_and_lists(rng):
     # A side longer than any sequence is unbounded.
     np.testing.assert_array_equal(sdpa(q, k, v, window=(2**70, None)), sdpa(q, k, v, window=(None, None)))
     assert_close(sdpa(q, k, v, window=(None, None)), to64(ref_sdpa(q, k, v)), np.float32)
+
+
+def test_mask_values_outside_the_window_never_reach_a_row():
+    # Found by the fuzzer: NaN/+inf mask values at keys the window closes must not matter.
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 9, 4)).astype(np.float32) for _ in range(3))
+    mask = rng.standard_normal((9, 9)).astype(np.float32)
+    mask[0, 5], mask[1, 8], mask[6, 0] = np.nan, np.inf, np.nan
+    got = attnx.scaled_dot_product_attention(q, k, v, mask, window=(1, 2))
+    expected = reference.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64),
+                                                      v.astype(np.float64), mask, window=(1, 2))
+    assert np.isfinite(got).all() and np.isfinite(expected).all()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -716,3 +716,10 @@ def test_core_never_crashes_on_malformed_calls():
     assert proc.returncode == 0, f"crashed or raised (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     calls, ok = map(int, proc.stdout.split())
     assert calls > 1000 and 0 < ok < calls
+
+
+def test_sdpa_mask_of_higher_rank_than_the_scores():
+    # Found by the fuzzer: a (1, 1, S) mask for an unbatched (L, E) query was accepted.
+    q, k, v = np.ones((1, 3), f32), np.ones((129, 3), f32), np.ones((129, 17), f32)
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(1, 1, 129\).*\(1, 129\)"):
+        sdpa(q, k, v, np.zeros((1, 1, 129), f32))
