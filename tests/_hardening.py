@@ -27,6 +27,15 @@ def scaled(quick, ci):
     return ci if CI else quick
 
 
+def under_address_sanitizer() -> bool:
+    """Whether the ASan runtime is loaded in this process (the sanitizer build's suite)."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            return "libasan" in f.read()
+    except OSError:
+        return False
+
+
 def record(test: str, **figures) -> None:
     """Report figures of a hardening test (appended to $ATTNX_HARDENING_REPORT as JSON)."""
     entry = {"test": test, "isa": _isa(), "run": os.environ.get("ATTNX_HARDENING_RUN", LEVEL), **figures}

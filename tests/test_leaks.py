@@ -20,21 +20,13 @@ import numpy as np
 import pytest
 
 import attnx
-from _hardening import malloc_in_use_bytes, record, rss_bytes, scaled
+from _hardening import malloc_in_use_bytes, record, rss_bytes, scaled, under_address_sanitizer
 from attnx import _core
-
-def _under_address_sanitizer() -> bool:
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
-            return "libasan" in f.read()
-    except OSError:
-        return False
-
 
 # ASan replaces the allocator: freed memory waits in its quarantine (hundreds of MiB) before
 # reuse and mallinfo2 reports nothing, so neither the RSS nor malloc's count says anything
 # about leaks there. The release builds are checked on every run of the suite.
-pytestmark = pytest.mark.skipif(_under_address_sanitizer(),
+pytestmark = pytest.mark.skipif(under_address_sanitizer(),
                                 reason="leak measurements are meaningless under ASan's allocator")
 
 CALLS = scaled(4_000, 100_000)
