@@ -143,13 +143,14 @@ struct Kernels {
                                                init_values);
   }
 
-  // The same with 4-vector panels and half the rows: fewer loads per
-  // multiply-add, for a B that is wide and contiguous.
+  // The same with the ISA's wide register tile (where registers allow, 4-vector
+  // panels and half the rows: fewer loads per multiply-add), for a B that is
+  // wide and contiguous.
   static void gemm_wide(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row,
                         int64_t a_col, const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init,
                         const T* init_values) {
-    gemm_panels<Vec::kGemmRows / 2, 2 * kPanelVectors>(M, N, K, a, a_row, a_col, b, ldb, c, ldc,
-                                                       init, init_values);
+    gemm_panels<Vec::kWideRows, Vec::kWideVectors>(M, N, K, a, a_row, a_col, b, ldb, c, ldc, init,
+                                                   init_values);
   }
 
   // ---- online softmax over a (keys x QT queries) tile --------------------

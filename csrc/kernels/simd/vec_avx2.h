@@ -47,6 +47,9 @@ struct Avx2F32 {
   using V = __m256;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 6;  // 6 x 2 accumulators of 16 registers
+  // The wide tile too: 3 x 4 accumulators leave too few of the 16 registers
+  // for the 4 vectors of B and the broadcast, and one accumulator spills.
+  static constexpr int kWideRows = 6, kWideVectors = 2;
 
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(T x) { return _mm256_set1_ps(x); }
@@ -159,6 +162,7 @@ struct Avx2F64 {
   using V = __m256d;
   static constexpr int W = 4;
   static constexpr int kGemmRows = 6;
+  static constexpr int kWideRows = 6, kWideVectors = 2;  // as in Avx2F32
 
   static V zero() { return _mm256_setzero_pd(); }
   static V set1(T x) { return _mm256_set1_pd(x); }

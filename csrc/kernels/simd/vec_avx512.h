@@ -19,6 +19,7 @@ struct Avx512F32 {
   using V = __m512;
   static constexpr int W = 16;
   static constexpr int kGemmRows = 12;  // 12 x 2 accumulators of 32 registers
+  static constexpr int kWideRows = 6, kWideVectors = 4;  // 6 x 4 accumulators
 
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(T x) { return _mm512_set1_ps(x); }
@@ -127,6 +128,7 @@ struct Avx512F64 {
   using V = __m512d;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 12;
+  static constexpr int kWideRows = 6, kWideVectors = 4;
 
   static V zero() { return _mm512_setzero_pd(); }
   static V set1(T x) { return _mm512_set1_pd(x); }

@@ -53,6 +53,7 @@ struct Portable {
   using T = Scalar;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 4;
+  static constexpr int kWideRows = 2, kWideVectors = 4;
   struct V {
     T lane[W];
   };
