@@ -29,7 +29,7 @@ struct Kernels {
   using V = typename Vec::V;
   static constexpr int W = Vec::W;
   static constexpr int NR = kPanelVectors * W;  // panel width
-  static constexpr int QT = NR;                 // queries per flash tile
+  static constexpr int QT = Vec::kQueryTileVectors * W;  // queries per flash tile
   static constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
   // ---- gemm -------------------------------------------------------------
@@ -123,15 +123,22 @@ struct Kernels {
     for (int64_t n0 = 0; n0 < N; n0 += kWidth) {
       const int n = static_cast<int>(min64(kWidth, N - n0));
       const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int rows = static_cast<int>(min64(MR, M - m0));
-        const T* init_m = init == GemmInit::kScaleRows ? init_values + m0 : init_n;
+      for (int64_t m0 = 0; m0 < M;) {
+        // A last tile of fewer than MR / 2 rows has too few accumulators to
+        // hide the multiply-add latency: the last MR + r rows then go as two
+        // tiles of about half that (32 rows, MR = 6: 6 6 6 6 4 4, not ... 6 2).
+        const int64_t left = M - m0;
+        int rows = static_cast<int>(min64(MR, left));
+        if (left > MR && left < MR + MR / 2) rows = static_cast<int>((left + 1) / 2);
+        const int64_t r0 = m0;
+        m0 += rows;
+        const T* init_m = init == GemmInit::kScaleRows ? init_values + r0 : init_n;
         if (n == kWidth)
-          gemm_rows<MR, NV, true>(rows, K, a + m0 * a_row, a_row, a_col, b + n0, ldb,
-                                  c + m0 * ldc + n0, ldc, n, init, init_m);
+          gemm_rows<MR, NV, true>(rows, K, a + r0 * a_row, a_row, a_col, b + n0, ldb,
+                                  c + r0 * ldc + n0, ldc, n, init, init_m);
         else
-          gemm_rows<MR, NV, false>(rows, K, a + m0 * a_row, a_row, a_col, b + n0, ldb,
-                                   c + m0 * ldc + n0, ldc, n, init, init_m);
+          gemm_rows<MR, NV, false>(rows, K, a + r0 * a_row, a_row, a_col, b + n0, ldb,
+                                   c + r0 * ldc + n0, ldc, n, init, init_m);
       }
     }
   }
@@ -158,7 +165,7 @@ struct Kernels {
   // first, in natural units, so a large mask value added to the scores
   // (-1e4 is common) costs no precision; exp2 then needs no range reduction.
   static void softmax_tile(T* s, int64_t rows, T* m, T* l, T* alpha) {
-    for (int v = 0; v < kPanelVectors; ++v) {
+    for (int v = 0; v < Vec::kQueryTileVectors; ++v) {
       const int lane0 = v * W;
       // Step 1: the new running max of each query (NaN scores ignored).
       V block_max = Vec::set1(kNegInf);
@@ -172,12 +179,12 @@ struct Kernels {
       V sum = Vec::zero();
       for (int64_t j = 0; j < rows; ++j) {
         T* sj = s + j * QT + lane0;
-        const V p = Vec::exp2(Vec::mul(Vec::sub(Vec::load(sj), shift), log2e));
+        const V p = Vec::exp2_nonpositive(Vec::mul(Vec::sub(Vec::load(sj), shift), log2e));
         Vec::store(sj, p);
         sum = Vec::add(sum, p);
       }
       // Step 3: rescale factor of what was accumulated, and the new sums.
-      const V a = Vec::exp2(Vec::mul(Vec::sub(m_old, shift), log2e));
+      const V a = Vec::exp2_nonpositive(Vec::mul(Vec::sub(m_old, shift), log2e));
       Vec::store(alpha + lane0, a);
       Vec::store(l + lane0, Vec::fmadd(a, Vec::load(l + lane0), sum));
       Vec::store(m + lane0, m_new);

@@ -20,6 +20,7 @@ struct Avx512F32 {
   static constexpr int W = 16;
   static constexpr int kGemmRows = 12;  // 12 x 2 accumulators of 32 registers
   static constexpr int kWideRows = 6, kWideVectors = 4;  // 6 x 4 accumulators
+  static constexpr int kQueryTileVectors = 2;            // 32 queries per flash tile
 
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(T x) { return _mm512_set1_ps(x); }
@@ -93,6 +94,8 @@ struct Avx512F32 {
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kPoly[k]));
     return _mm512_scalef_ps(p, n);
   }
+  // The softmax's 2^x for x <= 0: scalef makes exp2 as cheap already.
+  static V exp2_nonpositive(V x) { return exp2(x); }
   // In-register transpose of 16 rows of 16: r[i][j] <- r[j][i].
   static void transpose(V (&r)[16]) {
     V t[16], u[16];
@@ -129,6 +132,7 @@ struct Avx512F64 {
   static constexpr int W = 8;
   static constexpr int kGemmRows = 12;
   static constexpr int kWideRows = 6, kWideVectors = 4;
+  static constexpr int kQueryTileVectors = 2;  // 16 queries per flash tile
 
   static V zero() { return _mm512_setzero_pd(); }
   static V set1(T x) { return _mm512_set1_pd(x); }
@@ -171,6 +175,7 @@ struct Avx512F64 {
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kPoly[k]));
     return _mm512_scalef_pd(p, n);
   }
+  static V exp2_nonpositive(V x) { return exp2(x); }
   // In-register transpose of 8 rows of 8.
   static void transpose(V (&r)[8]) {
     V t[8];

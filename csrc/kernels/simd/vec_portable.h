@@ -54,6 +54,7 @@ struct Portable {
   static constexpr int W = 8;
   static constexpr int kGemmRows = 4;
   static constexpr int kWideRows = 2, kWideVectors = 4;
+  static constexpr int kQueryTileVectors = 2;  // 16 queries per flash tile
   struct V {
     T lane[W];
   };
@@ -132,6 +133,7 @@ struct Portable {
   static V exp2(V x) {
     return map([&](int i) { return std::exp2(x.lane[i]); });
   }
+  static V exp2_nonpositive(V x) { return exp2(x); }
   static void transpose(V (&r)[W]) {
     for (int i = 0; i < W; ++i)
       for (int j = i + 1; j < W; ++j) {
