@@ -31,18 +31,33 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   const int64_t nr = kt.panel_width;
   if (N * L <= nr) {
     // Few rows: y^T = w . x^T, packing the small x^T (in x nr) rather than w,
-    // then transposing the small result back with the bias added.
-    std::unique_ptr<T[]> xt(new T[size_t(in * nr + out * nr)]);
-    T* yt = xt.get() + in * nr;
-    std::fill_n(xt.get(), in * nr, T(0));
-    for (int64_t r = 0; r < N * L; ++r) {
-      const T* xr = x.at(r / L, r % L);
-      for (int64_t i = 0; i < in; ++i) xt[i * nr + r] = xr[i];
+    // then transposing the small result back with the bias added. Both
+    // transposes go W x W blocks at a time in registers (pack_transposed)
+    // where the rows of x are evenly spaced.
+    const int64_t rows = N * L;
+    const int64_t out_lanes = (out + nr - 1) / nr * nr;
+    std::unique_ptr<T[]> scratch(new T[size_t(in * nr + out * nr + rows * out_lanes)]);
+    T* xt = scratch.get();
+    T* yt = xt + in * nr;
+    T* y_rows = yt + out * nr;  // rows x out_lanes
+    if (N == 1 || x.stride[0] == L * x.stride[1]) {
+      kt.pack_transposed(x.data, x.stride[1], rows, in, T(1), xt, nr);
+    } else {
+      std::fill_n(xt, in * nr, T(0));
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* xr = x.at(r / L, r % L);
+        for (int64_t i = 0; i < in; ++i) xt[i * nr + r] = xr[i];
+      }
     }
-    kt.gemm(out, nr, in, w.data, w.row_stride, 1, xt.get(), nr, yt, nr, GemmInit::kZero, nullptr);
-    for (int64_t r = 0; r < N * L; ++r) {
+    kt.gemm(out, nr, in, w.data, w.row_stride, 1, xt, nr, yt, nr, GemmInit::kZero, nullptr);
+    kt.pack_transposed(yt, nr, out, rows, T(1), y_rows, out_lanes);
+    for (int64_t r = 0; r < rows; ++r) {
       T* yr = y.at(r / L, r % L);
-      for (int64_t o = 0; o < out; ++o) yr[o] = yt[o * nr + r] + (bias ? bias[o] : T(0));
+      const T* src = y_rows + r * out_lanes;
+      if (bias)
+        for (int64_t o = 0; o < out; ++o) yr[o] = src[o] + bias[o];
+      else
+        std::copy_n(src, out, yr);
     }
     return;
   }
