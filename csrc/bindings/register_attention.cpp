@@ -382,7 +382,7 @@ void register_attention(py::module_& m) {
       py::arg("bias_k"), py::arg("bias_v"), py::arg("add_zero_attn"), py::arg("static_k"),
       py::arg("static_v"), py::arg("attn_mask"), py::arg("key_padding_mask"), py::arg("causal"),
       py::arg("w_out"), py::arg("b_out"), py::arg("out"), py::arg("weights"),
-      py::arg("average_weights"), py::kw_only(), py::arg("bottom_right") = false,
+      py::arg("average_weights"), py::arg("bottom_right") = false,
       "Multi-head attention forward on canonical (N, L, E) views.");
 }
 

@@ -48,7 +48,6 @@ def mha(
     out: npt.NDArray[np.floating],
     weights: npt.NDArray[np.floating] | None,
     average_weights: bool,
-    *,
     bottom_right: bool = False,
 ) -> None: ...
 def linear(

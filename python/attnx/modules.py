@@ -480,9 +480,10 @@ class MultiheadAttention:
         and bool flags. Everything else -- including every input that is wrong -- takes
         the general path, which converts what it can and explains what it cannot.
         """
-        dtype, E = self.dtype, self.embed_dim
-        if dtype not in _COMPUTE_DTYPES:
-            return None  # half-precision parameters: converted on the general path
+        plan = self._plain_parameters()
+        if plan is None:
+            return None
+        dtype = self.dtype
         for x in (query, key, value):
             if (
                 type(x) is not np.ndarray
@@ -492,45 +493,31 @@ class MultiheadAttention:
                 or not x.flags.aligned
             ):
                 return None
-        for flag in (need_weights, average_attn_weights):
-            if flag is not True and flag is not False:
+        if need_weights is True:
+            if average_attn_weights is not True and average_attn_weights is not False:
                 return None
-        try:
-            causal, bottom_right = causal_mode(is_causal)
-        except ValueError:
+        elif need_weights is not False:
             return None
+        if is_causal is False:
+            causal = bottom_right = False
+        else:
+            try:
+                causal, bottom_right = causal_mode(is_causal)
+            except ValueError:
+                return None
         if self.batch_first:
             q, k, v = query, key, value
         else:
-            q, k, v = (x.transpose(1, 0, 2) for x in (query, key, value))
-        N, L = q.shape[:2]
-        if q.shape[2] != E or k.shape[2] != self.kdim or v.shape[2] != self.vdim:
+            q, k, v = query.transpose(1, 0, 2), key.transpose(1, 0, 2), value.transpose(1, 0, 2)
+        N, L, E = q.shape
+        if E != self.embed_dim or k.shape[2] != self.kdim or v.shape[2] != self.vdim:
             return None
         if k.shape[0] != N or v.shape[:2] != k.shape[:2]:
             return None
-        params = [
-            self.q_proj_weight if self.in_proj_weight is None else self.in_proj_weight,
-            self.k_proj_weight, self.v_proj_weight, self.in_proj_bias,
-            self.bias_k, self.bias_v, self.out_proj_weight, self.out_proj_bias,
-        ]
-        for x in params:
-            if x is not None and (
-                type(x) is not np.ndarray or x.dtype != dtype or not (x.flags.c_contiguous and x.flags.aligned)
-            ):
-                return None
-        if self.in_proj_weight is not None:
-            if self.in_proj_weight.shape != (3 * E, E):
-                return None
-            w_q, w_k, w_v = self.in_proj_weight[:E], self.in_proj_weight[E : 2 * E], self.in_proj_weight[2 * E :]
-        else:
-            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        b = self.in_proj_bias
-        b_q, b_k, b_v = (None, None, None) if b is None else (b[:E], b[E : 2 * E], b[2 * E :])
-        bias_k = None if self.bias_k is None else self.bias_k.reshape(E)
-        bias_v = None if self.bias_v is None else self.bias_v.reshape(E)
-        S_total = k.shape[1] + (bias_k is not None) + bool(self.add_zero_attn)
+        w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, w_out, b_out = plan
         weights = None
         if need_weights:
+            S_total = k.shape[1] + (bias_k is not None) + bool(self.add_zero_attn)
             shape = (N, L, S_total) if average_attn_weights else (N, self.num_heads, L, S_total)
             weights = np.empty(shape, dtype)
         if self.batch_first:
@@ -538,13 +525,77 @@ class MultiheadAttention:
         else:
             out = np.empty((L, N, E), dtype)
             out_view = out.transpose(1, 0, 2)
+        # (Positional arguments: pybind11's keyword matching costs about a microsecond.)
         _core.mha(
             self.num_heads, q, k, v, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v,
             bool(self.add_zero_attn), None, None, None, None, causal,
-            self.out_proj_weight, self.out_proj_bias, out_view, weights, average_attn_weights,
-            bottom_right=bottom_right,
+            w_out, b_out, out_view, weights, bool(average_attn_weights), bottom_right,
         )
         return out, weights
+
+    # The parameter attributes, in the order _plain_parameters checks them.
+    _PLAIN_PARAMETERS = (
+        "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+        "bias_k", "bias_v", "out_proj_weight", "out_proj_bias",
+    )
+
+    def _plain_parameters(self):
+        """(w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, w_out, b_out) for _core.mha, or None.
+
+        None unless every parameter is a C-contiguous, aligned array of the module's
+        float32/float64 dtype with its expected shape. The checked views are kept until
+        an attribute of the module is assigned (``__setattr__`` drops them); they share
+        the parameters' memory, so values written in place are seen.
+        """
+        cached = self.__dict__.get("_plain_cache")
+        if cached is None:
+            params = tuple(getattr(self, name) for name in self._PLAIN_PARAMETERS)
+            cached = (self._build_plain_parameters(params),)
+            self.__dict__["_plain_cache"] = cached
+        return cached[0]
+
+    def __setattr__(self, name, value):
+        self.__dict__.pop("_plain_cache", None)
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_plain_cache", None)  # views: they would not share the copy's memory
+        return state
+
+    def _build_plain_parameters(self, params):
+        dtype, E = self.dtype, self.embed_dim
+        if dtype not in _COMPUTE_DTYPES:
+            return None  # half-precision parameters: converted on the general path
+        for x in params:
+            if x is not None and (
+                type(x) is not np.ndarray or x.dtype != dtype or not (x.flags.c_contiguous and x.flags.aligned)
+            ):
+                return None
+        in_w, q_w, k_w, v_w, in_b, bias_k, bias_v, out_w, out_b = params
+        if in_w is not None:
+            if in_w.shape != (3 * E, E):
+                return None
+            w_q, w_k, w_v = in_w[:E], in_w[E : 2 * E], in_w[2 * E :]
+        else:
+            if q_w is None or k_w is None or v_w is None:
+                return None
+            if q_w.shape != (E, E) or k_w.shape != (E, self.kdim) or v_w.shape != (E, self.vdim):
+                return None
+            w_q, w_k, w_v = q_w, k_w, v_w
+        if in_b is not None and in_b.shape != (3 * E,):
+            return None
+        b_q, b_k, b_v = (None, None, None) if in_b is None else (in_b[:E], in_b[E : 2 * E], in_b[2 * E :])
+        for bias in (bias_k, bias_v):
+            if bias is not None and bias.size != E:
+                return None
+        if (bias_k is None) != (bias_v is None):
+            return None
+        if out_w is None or out_w.shape != (E, E) or (out_b is not None and out_b.shape != (E,)):
+            return None
+        bias_k = None if bias_k is None else bias_k.reshape(E)
+        bias_v = None if bias_v is None else bias_v.reshape(E)
+        return (w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, out_w, out_b)
 
     __call__ = forward
 
