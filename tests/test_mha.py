@@ -177,6 +177,21 @@ def test_kdim_vdim(rng, kdim, vdim, in_bias, bias_kv, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
+def test_long_input_dims(rng, in_bias, dtype):
+    # Input dims longer than the projection's blocks of `in` (64 to 256 rows
+    # of a packed panel, by kernel), with a remainder, over enough rows to
+    # take the packed-panel path; the same bits on any thread count.
+    args = mha_args(rng, L=40, S=33, N=2, E=264, H=3, kdim=300, vdim=520, separate=True,
+                    in_bias=in_bias, dtype=dtype, need_weights=False)
+    check(args)
+    with num_threads(1):
+        one = mha(**args)[0]
+    with num_threads(3):
+        assert_identical(one, mha(**args)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_separate_weights_equal_packed(rng, dtype):
     args = mha_args(rng, dtype=dtype)
     w = args["in_proj_weight"]

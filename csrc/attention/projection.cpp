@@ -1,9 +1,11 @@
 // The projections of multi-head attention: y = x . w^T + bias.
 //
-//   pack w^T in panels of 2 NR columns   (in x 2NR each, zero-padded)
+//   pack w^T in panels as wide as gemm_wide's tile   (in x wide each, zero-padded)
 //   (for at most NR rows, y^T = w . x^T instead, packing the small x^T)
 //   parallel for each (batch, block of rows, panel):
-//     y[rows, panel] = bias[panel] + x[rows, :] . panel     (the kernel's gemm_wide)
+//     y[rows, panel] = bias[panel]
+//     for each block of k_block rows of `in`:
+//       y[rows, panel] += x[rows, block] . panel[block]     (the kernel's gemm_wide)
 //
 // Packing makes each panel's rows contiguous, so the register-blocked gemm
 // streams it while broadcasting x. Every output value is accumulated over
@@ -19,6 +21,10 @@ namespace attnx {
 namespace {
 
 constexpr int64_t kRowBlock = 96;  // rows of x per task: a multiple of every MR
+// Bytes of a packed panel's block of rows that the gemm keeps in L1 (half
+// of the smallest L1 data cache of the CPUs served), and the fewest rows.
+constexpr int64_t kPanelBlockBytes = 16 * 1024;
+constexpr int64_t kMinKBlock = 64;
 
 }  // namespace
 
@@ -61,32 +67,25 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     }
     return;
   }
-  // Many rows: panels for the wide register tile (half the rows, twice the
-  // columns: fewer loads per multiply-add).
-  const int64_t wide = 2 * nr;
+  // Many rows: panels as wide as gemm_wide's register tile, packed from w by
+  // W x W transposes in registers.
+  const int64_t wide = kt.wide_panel_width;
   const int64_t panels = (out + wide - 1) / wide;
-
-  // Pack: panel p holds w^T[:, p*wide : (p+1)*wide] row-major (in x wide).
-  // Copied in 16-row slices of w^T, so that each slice of the panel stays in
-  // L1 while the weight rows are read contiguously.
   std::unique_ptr<T[]> packed(new T[size_t(panels * in * wide)]);
   // (The thread counts are read only by the OpenMP pragmas.)
   [[maybe_unused]] const int pack_threads = threads_for(double(in) * double(out) * 8);
 #pragma omp parallel for schedule(static) num_threads(pack_threads) if (pack_threads > 1)
-  for (int64_t p = 0; p < panels; ++p) {
-    T* panel = packed.get() + p * in * wide;
-    const int64_t cols = std::min(wide, out - p * wide);
-    for (int64_t i0 = 0; i0 < in; i0 += 16) {
-      const int64_t i1 = std::min(in, i0 + 16);
-      for (int64_t c = 0; c < cols; ++c) {
-        const T* wo = w.row(p * wide + c);
-        for (int64_t i = i0; i < i1; ++i) panel[i * wide + c] = wo[i];
-      }
-      for (int64_t i = i0; i < i1; ++i)
-        std::fill(panel + i * wide + cols, panel + (i + 1) * wide, T(0));
-    }
-  }
+  for (int64_t p = 0; p < panels; ++p)
+    kt.pack_transposed(w.row(p * wide), w.row_stride, std::min(wide, out - p * wide), in, T(1),
+                       packed.get() + p * in * wide, wide);
 
+  // The sum over `in` goes in blocks of k_block rows of a panel (about
+  // kPanelBlockBytes), so that the block stays in L1 while every row tile of
+  // the task streams past it; each block adds to what the one before stored.
+  // The accumulators are T throughout, so the result is the same to the bit
+  // as one pass over `in`.
+  const int64_t k_block = std::min(
+      in, std::max<int64_t>(kMinKBlock, kPanelBlockBytes / int64_t(wide * sizeof(T)) / 16 * 16));
   const int64_t row_blocks = (L + kRowBlock - 1) / kRowBlock;
   const int64_t tasks = N * row_blocks * panels;
   [[maybe_unused]] const int nthreads =
@@ -97,9 +96,16 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     const int64_t n = nb / row_blocks, l0 = (nb % row_blocks) * kRowBlock;
     const int64_t rows = std::min(kRowBlock, L - l0);
     const int64_t cols = std::min(wide, out - p * wide);
-    kt.gemm_wide(rows, cols, in, x.at(n, l0), x.stride[1], 1, packed.get() + p * in * wide,
-                 wide, y.at(n, l0) + p * wide, y.stride[1],
-                 bias ? GemmInit::kBiasColumns : GemmInit::kZero, bias ? bias + p * wide : nullptr);
+    const T* panel = packed.get() + p * in * wide;
+    T* y_tile = y.at(n, l0) + p * wide;
+    for (int64_t k0 = 0; k0 < in; k0 += k_block) {
+      const GemmInit init = k0 > 0 ? GemmInit::kAccumulate
+                            : bias ? GemmInit::kBiasColumns
+                                   : GemmInit::kZero;
+      kt.gemm_wide(rows, cols, std::min(k_block, in - k0), x.at(n, l0) + k0, x.stride[1], 1,
+                   panel + k0 * wide, wide, y_tile, y.stride[1], init,
+                   bias ? bias + p * wide : nullptr);
+    }
   }
 }
 

@@ -22,7 +22,8 @@ struct KernelTable {
   const char* name;  // recipe, e.g. "f32_attention__avx512f_mr12_nr32"
   Isa isa;
   int query_tile;   // queries per flash tile: the lanes of softmax_tile
-  int panel_width;  // columns per gemm panel (pack B in panels this wide)
+  int panel_width;       // columns per gemm panel (pack B in panels this wide)
+  int wide_panel_width;  // the same for gemm_wide
 
   // C[m][n] = init + sum_k A(m, k) * B[k][n] for m < M, n < N, where
   // A(m, k) = a[m * a_row + k * a_col] (any layout: it is read by broadcasts)

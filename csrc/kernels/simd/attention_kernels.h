@@ -29,6 +29,7 @@ struct Kernels {
   using V = typename Vec::V;
   static constexpr int W = Vec::W;
   static constexpr int NR = kPanelVectors * W;  // panel width
+  static constexpr int kWideWidth = Vec::kWideVectors * W;  // gemm_wide's panel width
   static constexpr int QT = Vec::kQueryTileVectors * W;  // queries per flash tile
   static constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
@@ -390,7 +391,7 @@ struct Kernels {
   }
 
   static KernelTable<T> table(const char* name, Isa isa) {
-    KernelTable<T> t{name,   isa,          QT,     NR,
+    KernelTable<T> t{name,   isa,          QT,     NR, kWideWidth,
                      gemm,   softmax_tile, scores, accumulate_pv,
                      exp_shift_sum, scale,        all_finite,
                      pack_transposed, gemm_wide, nullptr, nullptr,
