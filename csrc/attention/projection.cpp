@@ -72,12 +72,11 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   const int64_t wide = kt.wide_panel_width;
   const int64_t panels = (out + wide - 1) / wide;
   std::unique_ptr<T[]> packed(new T[size_t(panels * in * wide)]);
-  // (The thread counts are read only by the OpenMP pragmas.)
-  [[maybe_unused]] const int pack_threads = threads_for(double(in) * double(out) * 8);
-#pragma omp parallel for schedule(static) num_threads(pack_threads) if (pack_threads > 1)
-  for (int64_t p = 0; p < panels; ++p)
-    kt.pack_transposed(w.row(p * wide), w.row_stride, std::min(wide, out - p * wide), in, T(1),
-                       packed.get() + p * in * wide, wide);
+  parallel_for(panels, threads_for(double(in) * double(out) * 8), Schedule::kStatic,
+               [&](int64_t p) {
+                 kt.pack_transposed(w.row(p * wide), w.row_stride, std::min(wide, out - p * wide),
+                                    in, T(1), packed.get() + p * in * wide, wide);
+               });
 
   // The sum over `in` goes in blocks of k_block rows of a panel (about
   // kPanelBlockBytes), so that the block stays in L1 while every row tile of
@@ -88,10 +87,8 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
       in, std::max<int64_t>(kMinKBlock, kPanelBlockBytes / int64_t(wide * sizeof(T)) / 16 * 16));
   const int64_t row_blocks = (L + kRowBlock - 1) / kRowBlock;
   const int64_t tasks = N * row_blocks * panels;
-  [[maybe_unused]] const int nthreads =
-      threads_for(double(N) * double(L) * double(in) * double(out));
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
+  const int nthreads = threads_for(double(N) * double(L) * double(in) * double(out));
+  parallel_for(tasks, nthreads, Schedule::kStatic, [&](int64_t t) {
     const int64_t p = t % panels, nb = t / panels;
     const int64_t n = nb / row_blocks, l0 = (nb % row_blocks) * kRowBlock;
     const int64_t rows = std::min(kRowBlock, L - l0);
@@ -106,7 +103,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
                    panel + k0 * wide, wide, y_tile, y.stride[1], init,
                    bias ? bias + p * wide : nullptr);
     }
-  }
+  });
 }
 
 template void linear_forward<float>(const StridedView<const float, 3>&,

@@ -650,33 +650,28 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   const int64_t state_size = Ev + 3;
   std::vector<T> states(chunks > 1 ? size_t(B * Hq * L * chunks * state_size) : 0);
 
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-  {
+  parallel_for(tasks, nthreads, Schedule::kDynamic, [&](int64_t t) {
     T* my_scratch = scratch + current_thread() * scratch_per_thread;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t c = t % chunks, qb = (t / chunks) % q_blocks, bh = t / (chunks * q_blocks);
-      const int64_t b = bh / heads, h = bh % heads;
-      const int64_t r0 = qb * rows_per_task, r1 = std::min(rows_per_head, r0 + rows_per_task);
-      if (tiled) {
-        flash_tile(a, kt, b, h, r0, key_block, my_scratch);
-      } else if (a.weights) {
-        rows_with_weights(a, kt, b, h, r0, r1, my_scratch);
-      } else if (chunks == 1) {
-        flash_rows(a, kt, b, h, r0, r1, 0, S_read, my_scratch, static_cast<T*>(nullptr), 1, 0);
-      } else {
-        const int64_t j_begin = c * kKeyChunk, j_end = std::min(S_read, j_begin + kKeyChunk);
-        flash_rows(a, kt, b, h, r0, r1, j_begin, j_end, my_scratch, states.data(), chunks, c);
-      }
+    const int64_t c = t % chunks, qb = (t / chunks) % q_blocks, bh = t / (chunks * q_blocks);
+    const int64_t b = bh / heads, h = bh % heads;
+    const int64_t r0 = qb * rows_per_task, r1 = std::min(rows_per_head, r0 + rows_per_task);
+    if (tiled) {
+      flash_tile(a, kt, b, h, r0, key_block, my_scratch);
+    } else if (a.weights) {
+      rows_with_weights(a, kt, b, h, r0, r1, my_scratch);
+    } else if (chunks == 1) {
+      flash_rows(a, kt, b, h, r0, r1, 0, S_read, my_scratch, static_cast<T*>(nullptr), 1, 0);
+    } else {
+      const int64_t j_begin = c * kKeyChunk, j_end = std::min(S_read, j_begin + kKeyChunk);
+      flash_rows(a, kt, b, h, r0, r1, j_begin, j_end, my_scratch, states.data(), chunks, c);
     }
-    if (chunks > 1) {
-#pragma omp for schedule(static)
-      for (int64_t row = 0; row < B * Hq * L; ++row) {
-        const int64_t bh = row / L, i = row % L;
-        merge_chunks(states.data() + row * chunks * state_size, chunks, state_size, Ev,
-                     a.out.at(bh / Hq, bh % Hq, i));
-      }
-    }
+  });
+  if (chunks > 1) {
+    parallel_for(B * Hq * L, nthreads, Schedule::kStatic, [&](int64_t row) {
+      const int64_t bh = row / L, i = row % L;
+      merge_chunks(states.data() + row * chunks * state_size, chunks, state_size, Ev,
+                   a.out.at(bh / Hq, bh % Hq, i));
+    });
   }
 }
 
