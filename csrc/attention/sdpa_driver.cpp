@@ -505,6 +505,11 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   }
   const int64_t keys_lo = lo[0], keys_hi = hi[rows - 1];
 
+  // The query lanes computed: the tile's queries rounded up to whole vectors
+  // (the tile of a short sequence, or the last of a longer one, leaves the
+  // rest of the query_tile lanes idle).
+  const int lanes = static_cast<int>((rows + kt.vector_width - 1) / kt.vector_width) *
+                    kt.vector_width;
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
   kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
   std::fill(m, m + qt, kNegInf<T>);
@@ -534,7 +539,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       // (1) scores
       int64_t ldk, ldv;
       const T* kb = keys.rows(start, n, k_buf, ldk);
-      kt.gemm(n, qt, E, kb, ldk, 1, q_t, qt, st, qt, GemmInit::kZero, nullptr);
+      kt.gemm(n, lanes, E, kb, ldk, 1, q_t, qt, st, qt, GemmInit::kZero, nullptr);
       // (2) masks; the band rules only where a band end crosses the block
       const int64_t source_end = std::min(start + n, a.mask_cols);
       const bool crosses_band = start < source_end && (start < lo[rows - 1] || source_end > hi[0]);
@@ -542,7 +547,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       if (has_masks || crosses_band)
         any_closed = close_tile(a, b, h, i0, rows, start, n, qt, lo, hi, st, open);
       // (3) online softmax
-      kt.softmax_tile(st, n, m, l, alpha);
+      kt.softmax_tile(st, n, lanes, m, l, alpha);
       // (4) accumulate. A closed key has probability 0, and 0 * NaN would
       // carry a NaN in its value into this row: where keys were closed and
       // the values are not all finite, accumulate row by row, key by key

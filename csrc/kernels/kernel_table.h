@@ -21,6 +21,7 @@ template <typename T>
 struct KernelTable {
   const char* name;  // recipe, e.g. "f32_attention__avx512f_mr12_nr32"
   Isa isa;
+  int vector_width;  // lanes of one vector
   int query_tile;   // queries per flash tile: the lanes of softmax_tile
   int panel_width;       // columns per gemm panel (pack B in panels this wide)
   int wide_panel_width;  // the same for gemm_wide
@@ -32,11 +33,13 @@ struct KernelTable {
                const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init, const T* init_values);
 
   // One online-softmax step over a score tile s of `rows` keys x query_tile
-  // queries (row-major, row stride query_tile), per query lane q:
+  // queries (row-major, row stride query_tile), for the first `lanes` query
+  // lanes (a multiple of the vector width; the rest are left as they are),
+  // per query lane q:
   //   m' = max(m, max_j s[j][q]); s[j][q] = exp(s[j][q] - m');
   //   alpha[q] = exp(m - m'); l = alpha l + sum_j s[j][q]; m = m'
   // with the rules of attention/softmax_rules.h for -inf and NaN.
-  void (*softmax_tile)(T* s, int64_t rows, T* m, T* l, T* alpha);
+  void (*softmax_tile)(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha);
 
   // Row kernels, for few queries and for the weights path.
   // dst[j] = scale * <q, k_j> for j < n_keys; key rows are ldk apart.

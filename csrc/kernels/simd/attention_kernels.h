@@ -165,9 +165,8 @@ struct Kernels {
   // e^(s - m) is computed as 2^((s - m) log2 e): the difference is taken
   // first, in natural units, so a large mask value added to the scores
   // (-1e4 is common) costs no precision; exp2 then needs no range reduction.
-  static void softmax_tile(T* s, int64_t rows, T* m, T* l, T* alpha) {
-    for (int v = 0; v < Vec::kQueryTileVectors; ++v) {
-      const int lane0 = v * W;
+  static void softmax_tile(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha) {
+    for (int lane0 = 0; lane0 < lanes; lane0 += W) {
       // Step 1: the new running max of each query (NaN scores ignored).
       V block_max = Vec::set1(kNegInf);
       for (int64_t j = 0; j < rows; ++j)
@@ -338,6 +337,10 @@ struct Kernels {
                               T* dst, int64_t lanes) {
     const V s = Vec::set1(scale);
     for (int64_t r0 = 0; r0 < lanes; r0 += W) {
+      if (r0 >= rows) {  // padding lanes only
+        for (int64_t c = 0; c < cols; ++c) Vec::store(dst + c * lanes + r0, Vec::zero());
+        continue;
+      }
       for (int64_t c0 = 0; c0 < cols; c0 += W) {
         const int width = static_cast<int>(min64(W, cols - c0));
         V block[W];
@@ -391,7 +394,7 @@ struct Kernels {
   }
 
   static KernelTable<T> table(const char* name, Isa isa) {
-    KernelTable<T> t{name,   isa,          QT,     NR, kWideWidth,
+    KernelTable<T> t{name,   isa,  W,      QT,     NR, kWideWidth,
                      gemm,   softmax_tile, scores, accumulate_pv,
                      exp_shift_sum, scale,        all_finite,
                      pack_transposed, gemm_wide, nullptr, nullptr,
