@@ -341,7 +341,20 @@ struct Kernels {
         for (int64_t c = 0; c < cols; ++c) Vec::store(dst + c * lanes + r0, Vec::zero());
         continue;
       }
-      for (int64_t c0 = 0; c0 < cols; c0 += W) {
+      const T* src_rows = src + r0 * ld;
+      int64_t c0 = 0;
+      if (r0 + W <= rows) {
+        // Whole blocks: straight-line loads, transpose and stores.
+        for (; c0 + W <= cols; c0 += W) {
+          V block[W];
+#pragma GCC unroll 16
+          for (int i = 0; i < W; ++i) block[i] = Vec::mul(Vec::load(src_rows + i * ld + c0), s);
+          Vec::transpose(block);
+#pragma GCC unroll 16
+          for (int i = 0; i < W; ++i) Vec::store(dst + (c0 + i) * lanes + r0, block[i]);
+        }
+      }
+      for (; c0 < cols; c0 += W) {
         const int width = static_cast<int>(min64(W, cols - c0));
         V block[W];
         for (int i = 0; i < W; ++i)
