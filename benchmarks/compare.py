@@ -40,7 +40,9 @@ Method
 * **Machine peaks.** Each worker measures an achievable FP32 GEMM rate (a large float32 matmul
   with torch and with NumPy, best of a few) and the memory read bandwidth (reductions over a
   512 MiB float32 array: torch sum on n threads, NumPy max, BLAS sdot; the best of a few), and
-  takes the theoretical FMA peak from ``--peak-gflops`` (all cores) scaled to the thread count.
+  the FP32 FMA peak: by default measured with attnx's own probe (``attnx._core.fma_peak``:
+  register-resident chains of vector multiply-adds in the active kernel, on n threads, the best
+  of five), or taken from ``--peak-gflops`` (all cores) scaled to the thread count.
   attnx's fraction of peak uses the FMA peak for the compute-bound shapes and, for the decode
   shape (bytes = K and V read once = ``2*B*H*S*D*4``), the read bandwidth measured the same way
   over an array of the K+V size: K and V are re-read on every call, so they live in whichever
@@ -623,6 +625,16 @@ def measure_gemm_peak(threads: int, n: int, repeats: int) -> dict:
     return {"gflops": rates[by], "by": by, "n": n, "all": rates}
 
 
+def measure_fma_peak(threads: int, repeats: int = 5) -> dict:
+    """FP32 multiply-add GFLOP/s of attnx's active kernel on `threads` threads, in registers
+    only (no memory traffic): the best of `repeats` runs of attnx._core.fma_peak."""
+    import attnx
+    from attnx import _core
+
+    rate = max(_core.fma_peak(threads, 0.2) for _ in range(repeats))
+    return {"gflops": rate, "by": f"measured, attnx {attnx.show_config()['isa']} kernel"}
+
+
 def measure_read_bandwidth(threads: int, mib: float, repeats: int) -> dict:
     """Memory read GB/s over a `mib` MiB float32 array: the best of a few reductions
     (NumPy max, BLAS sdot of the array with itself, torch sum on `threads` threads),
@@ -704,7 +716,7 @@ def add_comparisons(result: dict, peaks: dict) -> None:
     result["speedup"] = valid[best] / attnx_ms if best else None
     attnx_gflops = libs["attnx"]["gflops"]
     result["attnx_gflops"] = attnx_gflops
-    result["attnx_fraction_of_fma_peak"] = attnx_gflops / peaks["fma_theoretical_gflops"]
+    result["attnx_fraction_of_fma_peak"] = attnx_gflops / peaks["fma"]["gflops"]
     result["attnx_fraction_of_gemm_peak"] = attnx_gflops / peaks["gemm"]["gflops"]
     gbs = result["bytes_kv"] / (attnx_ms / 1e3) / 1e9
     result["attnx_read_gbs"] = gbs
@@ -719,7 +731,7 @@ def add_comparisons(result: dict, peaks: dict) -> None:
         result["attnx_fraction_of_peak"] = result.get("attnx_fraction_of_working_set_bw",
                                                       result["attnx_fraction_of_read_bw"])
     else:
-        result["fraction_kind"] = "theoretical FMA peak"
+        result["fraction_kind"] = "FMA peak"
         result["attnx_fraction_of_peak"] = result["attnx_fraction_of_fma_peak"]
 
 
@@ -760,7 +772,8 @@ def run_worker(threads: int, opts) -> dict:
     log(f"[threads={threads}] measuring machine peaks ...")
     gemm_n, reps = (1536, 3) if opts.quick else (2048, 5)
     peaks = {
-        "fma_theoretical_gflops": opts.peak_gflops * threads / cores,
+        "fma": (measure_fma_peak(threads) if opts.peak_gflops is None else
+                {"gflops": opts.peak_gflops * threads / cores, "by": "--peak-gflops"}),
         "gemm": measure_gemm_peak(threads, gemm_n, reps),
         "read_bandwidth": measure_read_bandwidth(threads, 512, reps),
         "working_set_bandwidth": {
@@ -797,7 +810,9 @@ def cpu_model() -> str:
 def worker_argv(threads: int, out_path: str, opts) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(threads), "--worker-out", out_path,
             "--rounds", str(opts.rounds), "--block-seconds", str(opts.block_seconds),
-            "--pause-ms", str(opts.pause_ms), "--peak-gflops", str(opts.peak_gflops), "--libs", *opts.libs]
+            "--pause-ms", str(opts.pause_ms), "--libs", *opts.libs]
+    if opts.peak_gflops is not None:
+        argv += ["--peak-gflops", str(opts.peak_gflops)]
     if opts.shapes:
         argv += ["--shapes", *opts.shapes]
     if opts.quick:
@@ -890,8 +905,9 @@ def print_report(report: dict) -> None:
             print(f"worker failed: {run['error']}")
             continue
         p = run["peaks"]
-        print(f"Peaks: FMA theoretical {p['fma_theoretical_gflops']:.0f} GFLOP/s (--peak-gflops scaled to "
-              f"{run['threads']} thread(s)); achievable GEMM {p['gemm']['gflops']:.1f} GFLOP/s "
+        fma_source = (f"--peak-gflops scaled to {run['threads']} thread(s)" if p["fma"]["by"] == "--peak-gflops"
+                      else f"{p['fma']['by']}, register-only multiply-adds on {run['threads']} thread(s)")
+        print(f"Peaks: FMA {p['fma']['gflops']:.0f} GFLOP/s ({fma_source}); achievable GEMM {p['gemm']['gflops']:.1f} GFLOP/s "
               f"({p['gemm']['by']}, {p['gemm']['n']}^3 float32 matmul); read bandwidth "
               f"{p['read_bandwidth']['gbs']:.1f} GB/s ({p['read_bandwidth']['by']} over "
               f"{p['read_bandwidth']['mib']} MiB)", end="")
@@ -904,7 +920,7 @@ def print_report(report: dict) -> None:
         if background is not None:
             warn = " — WARNING: other work on the machine may have disturbed these timings" if background > 0.05 else ""
             print(f"\nOther processes used {100 * background:.1f}% of the machine's CPU time during this run{warn}.")
-        print("\n% of peak: FMA = attnx GFLOP/s / theoretical FMA peak; BW = attnx's K+V bytes per second / "
+        print("\n% of peak: FMA = attnx GFLOP/s / the FMA peak above; BW = attnx's K+V bytes per second / "
               "the read bandwidth measured over an array of the K+V size.")
         for r in run["results"]:
             if r["memory_bound"]:
@@ -940,8 +956,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 7, --quick 2)")
     p.add_argument("--block-seconds", type=float, help="target length of one block (default 0.25, --quick 0.05)")
     p.add_argument("--pause-ms", type=float, default=30.0, help="sleep before each block (default 30)")
-    p.add_argument("--peak-gflops", type=float, default=235.0 * cores,
-                   help="theoretical FP32 FMA peak of all cores, scaled by threads/cores (default 235 per core)")
+    p.add_argument("--peak-gflops", type=float, default=None,
+                   help="FP32 FMA peak of all cores, scaled by threads/cores (default: measured on each thread "
+                        "count with attnx's register-only multiply-add probe)")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--quick", action="store_true", help="a fast smoke run (fewer rounds, shorter blocks)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import attnx
+from attnx import _core
 from conftest import (
     DTYPE_IDS,
     DTYPES,
@@ -122,6 +123,24 @@ def test_thread_count_is_process_wide(threads):
     t.start()
     t.join()
     assert seen == [3]
+
+
+# ---------------------------------------------------------------------------------------------
+# The FMA peak probe (benchmarks/compare.py's "% of peak")
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_fma_peak_measures_a_positive_rate(n):
+    rate = _core.fma_peak(n, 0.02)
+    assert np.isfinite(rate) and rate > 0.1  # GFLOP/s: far below any CPU
+
+
+@pytest.mark.parametrize("args", [(0, 0.1), (1025, 0.1), (1, 0.0), (1, -1.0), (1, float("nan")),
+                                  (1, 61.0)])
+def test_fma_peak_rejects_bad_arguments(args):
+    with pytest.raises(ValueError, match="fma_peak"):
+        _core.fma_peak(*args)
 
 
 # ---------------------------------------------------------------------------------------------

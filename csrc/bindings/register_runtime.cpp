@@ -33,6 +33,21 @@ void register_runtime(py::module_& m) {
       },
       py::arg("n"));
   m.def("have_openmp", &have_openmp);
+  m.def(
+      "fma_peak",
+      [](int threads, double seconds) {
+        if (threads < 1 || threads > 1024)
+          throw py::value_error("fma_peak: threads must be in [1, 1024], got " +
+                                std::to_string(threads));
+        if (!(seconds > 0 && seconds <= 60))
+          throw py::value_error("fma_peak: seconds must be in (0, 60], got " +
+                                std::to_string(seconds));
+        py::gil_scoped_release release;
+        return measure_fma_peak(threads, seconds);
+      },
+      py::arg("threads"), py::arg("seconds") = 0.25,
+      "Float32 multiply-add GFLOP/s of the active kernel on `threads` threads (register-only "
+      "chains, about `seconds` each): the arithmetic peak benchmarks compare against.");
   m.def("compiler", &compiler_name);
   m.attr("__version__") = ATTNX_VERSION;
 }

@@ -17,6 +17,10 @@ enum class GemmInit {
   kBiasColumns  // C = 1 init^T + A.B         (init: N values)
 };
 
+// Independent vector chains of fma_probe: enough to hide a 4-cycle
+// multiply-add latency at two issues per cycle.
+constexpr int kFmaProbeChains = 12;
+
 template <typename T>
 struct KernelTable {
   const char* name;  // recipe, e.g. "f32_attention__avx512f_mr12_nr32"
@@ -62,6 +66,10 @@ struct KernelTable {
   void (*gemm_wide)(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row, int64_t a_col,
                     const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init,
                     const T* init_values);
+  // kFmaProbeChains chains of vector multiply-adds held in registers,
+  // `iterations` steps each, touching no memory: this instruction set's
+  // arithmetic peak. Returns the chains' sum, so that the work stays.
+  T (*fma_probe)(int64_t iterations);
 
   // Widening of 16-bit storage, in the float tables only (null in the double ones):
   // dst[i] = src[i] as float32, exactly: subnormals, infinities and NaN (quiet) included.

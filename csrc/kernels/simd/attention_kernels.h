@@ -369,6 +369,20 @@ struct Kernels {
     }
   }
 
+  static T fma_probe(int64_t iterations) {
+    V acc[kFmaProbeChains];
+    for (int c = 0; c < kFmaProbeChains; ++c) acc[c] = Vec::set1(T(c));
+    // x <- 0.999 x + 1 tends to 1000: no overflow, no subnormals.
+    const V a = Vec::set1(T(0.999)), b = Vec::set1(T(1));
+    for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+      for (int c = 0; c < kFmaProbeChains; ++c) acc[c] = Vec::fmadd(acc[c], a, b);
+    }
+    V sum = acc[0];
+    for (int c = 1; c < kFmaProbeChains; ++c) sum = Vec::add(sum, acc[c]);
+    return Vec::reduce_add(sum);
+  }
+
   static bool all_finite(const T* x, int64_t n) {
     // x * 0 is 0 for a finite x and NaN for NaN and +-inf.
     V probe = Vec::zero();
@@ -410,7 +424,7 @@ struct Kernels {
     KernelTable<T> t{name,   isa,  W,      QT,     NR, kWideWidth,
                      gemm,   softmax_tile, scores, accumulate_pv,
                      exp_shift_sum, scale,        all_finite,
-                     pack_transposed, gemm_wide, nullptr, nullptr,
+                     pack_transposed, gemm_wide, fma_probe, nullptr, nullptr,
                      {nullptr, nullptr}, {nullptr, nullptr}};
     if constexpr (Vec::kWidens16) {
       t.widen_float16 = widen_float16;
