@@ -25,8 +25,8 @@ template <typename T>
 struct KernelTable {
   const char* name;  // recipe, e.g. "f32_attention__avx512f_mr12_nr32"
   Isa isa;
-  int vector_width;  // lanes of one vector
-  int query_tile;   // queries per flash tile: the lanes of softmax_tile
+  int vector_width;      // lanes of one vector
+  int query_tile;        // queries per flash tile: the lanes of softmax_tile
   int panel_width;       // columns per gemm panel (pack B in panels this wide)
   int wide_panel_width;  // the same for gemm_wide
 

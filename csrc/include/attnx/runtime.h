@@ -23,11 +23,11 @@ void select_isa(const std::string& requested);
 int get_num_threads();
 void set_num_threads(int n);  // n >= 1
 bool have_openmp();
+std::string compiler_name();
 
 // The float32 multiply-add rate (GFLOP/s) of the active kernel on `threads`
 // threads, each running register-resident chains of vector multiply-adds
 // for about `seconds`: the arithmetic peak benchmarks measure attnx against.
 double measure_fma_peak(int threads, double seconds);
-std::string compiler_name();
 
 }  // namespace attnx
