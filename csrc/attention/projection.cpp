@@ -26,6 +26,17 @@ constexpr int64_t kRowBlock = 96;  // rows of x per task: a multiple of every MR
 constexpr int64_t kPanelBlockBytes = 16 * 1024;
 constexpr int64_t kMinKBlock = 64;
 
+// The distance between consecutive rows (n, l) of v in row-major order when
+// they are evenly spaced, else -1 (a single row: 0).
+template <typename U>
+int64_t even_row_spacing(const StridedView<U, 3>& v) {
+  const int64_t N = v.shape[0], L = v.shape[1];
+  if (N * L <= 1) return 0;
+  if (L == 1) return v.stride[0];
+  if (N == 1 || v.stride[0] == L * v.stride[1]) return v.stride[1];
+  return -1;
+}
+
 }  // namespace
 
 template <typename T>
@@ -37,17 +48,20 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   const int64_t nr = kt.panel_width;
   if (N * L <= nr) {
     // Few rows: y^T = w . x^T, packing the small x^T (in x nr) rather than w,
-    // then transposing the small result back with the bias added. Both
-    // transposes go W x W blocks at a time in registers (pack_transposed)
-    // where the rows of x are evenly spaced.
+    // then transposing the small result back. Both transposes go W x W
+    // blocks at a time in registers (pack_transposed) where the rows are
+    // evenly spaced; the result goes straight into y when its rows are
+    // whole vectors laid end to end. The bias starts each row of y^T.
     const int64_t rows = N * L;
+    const int64_t x_spacing = even_row_spacing(x), y_spacing = even_row_spacing(y);
+    const bool y_direct = out % kt.vector_width == 0 && (rows == 1 || y_spacing == out);
     const int64_t out_lanes = (out + nr - 1) / nr * nr;
-    std::unique_ptr<T[]> scratch(new T[size_t(in * nr + out * nr + rows * out_lanes)]);
+    std::unique_ptr<T[]> scratch(
+        new T[size_t(in * nr + out * nr + (y_direct ? 0 : rows * out_lanes))]);
     T* xt = scratch.get();
     T* yt = xt + in * nr;
-    T* y_rows = yt + out * nr;  // rows x out_lanes
-    if (N == 1 || x.stride[0] == L * x.stride[1]) {
-      kt.pack_transposed(x.data, x.stride[1], rows, in, T(1), xt, nr);
+    if (x_spacing >= 0) {
+      kt.pack_transposed(x.data, x_spacing, rows, in, T(1), xt, nr);
     } else {
       std::fill_n(xt, in * nr, T(0));
       for (int64_t r = 0; r < rows; ++r) {
@@ -55,16 +69,15 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
         for (int64_t i = 0; i < in; ++i) xt[i * nr + r] = xr[i];
       }
     }
-    kt.gemm(out, nr, in, w.data, w.row_stride, 1, xt, nr, yt, nr, GemmInit::kZero, nullptr);
-    kt.pack_transposed(yt, nr, out, rows, T(1), y_rows, out_lanes);
-    for (int64_t r = 0; r < rows; ++r) {
-      T* yr = y.at(r / L, r % L);
-      const T* src = y_rows + r * out_lanes;
-      if (bias)
-        for (int64_t o = 0; o < out; ++o) yr[o] = src[o] + bias[o];
-      else
-        std::copy_n(src, out, yr);
+    kt.gemm(out, nr, in, w.data, w.row_stride, 1, xt, nr, yt, nr,
+            bias ? GemmInit::kBiasRows : GemmInit::kZero, bias);
+    if (y_direct) {
+      kt.pack_transposed(yt, nr, out, rows, T(1), y.data, out);
+      return;
     }
+    T* y_rows = yt + out * nr;  // rows x out_lanes
+    kt.pack_transposed(yt, nr, out, rows, T(1), y_rows, out_lanes);
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(y_rows + r * out_lanes, out, y.at(r / L, r % L));
     return;
   }
   // Many rows: panels as wide as gemm_wide's register tile, packed from w by

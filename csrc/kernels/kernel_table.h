@@ -14,7 +14,8 @@ enum class GemmInit {
   kZero,        // C = A.B
   kAccumulate,  // C += A.B
   kScaleRows,   // C = diag(init) C + A.B     (init: M values)
-  kBiasColumns  // C = 1 init^T + A.B         (init: N values)
+  kBiasColumns, // C = 1 init^T + A.B         (init: N values)
+  kBiasRows     // C = init 1^T + A.B         (init: M values)
 };
 
 // Independent vector chains of fma_probe: enough to hide a 4-cycle

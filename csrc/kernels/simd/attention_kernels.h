@@ -62,6 +62,13 @@ struct Kernels {
       for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
+    } else if (init == GemmInit::kBiasRows) {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const V bias = Vec::set1(init_values[m]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[m][v] = bias;
+      }
     } else {
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
@@ -133,7 +140,8 @@ struct Kernels {
         if (left > MR && left < MR + MR / 2) rows = static_cast<int>((left + 1) / 2);
         const int64_t r0 = m0;
         m0 += rows;
-        const T* init_m = init == GemmInit::kScaleRows ? init_values + r0 : init_n;
+        const T* init_m =
+            init == GemmInit::kScaleRows || init == GemmInit::kBiasRows ? init_values + r0 : init_n;
         if (n == kWidth)
           gemm_rows<MR, NV, true>(rows, K, a + r0 * a_row, a_row, a_col, b + n0, ldb,
                                   c + r0 * ldc + n0, ldc, n, init, init_m);
