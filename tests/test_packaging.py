@@ -66,6 +66,13 @@ def _split_top_level(text: str) -> list:
     return parts
 
 
+def _stub_classes() -> dict:
+    """{name: {method name: ast.FunctionDef}} of the stub's top-level classes."""
+    tree = ast.parse((PACKAGE / "_core.pyi").read_text())
+    return {node.name: {item.name: item for item in node.body if isinstance(item, ast.FunctionDef)}
+            for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
 def _extension_signature(function) -> tuple:
     """(positional names, keyword-only names, return type) from pybind11's signature line,
     e.g. ``f(a: int, *, b: bool = False) -> bool``."""
@@ -82,18 +89,38 @@ def _extension_signature(function) -> tuple:
 
 def _extension_functions() -> dict:
     return {name: getattr(core, name) for name in dir(core)
-            if not name.startswith("__") and callable(getattr(core, name))}
+            if not name.startswith("__") and callable(getattr(core, name))
+            and not isinstance(getattr(core, name), type)}
+
+
+def _extension_classes() -> dict:
+    return {name: getattr(core, name) for name in dir(core)
+            if not name.startswith("__") and isinstance(getattr(core, name), type)}
+
+
+# The methods of the extension's classes that the stub describes.
+CLASS_METHODS = ("__init__", "__call__")
 
 
 def test_stub_has_exactly_the_extensions_functions():
     assert sorted(_stub_functions()) == sorted(_extension_functions())
 
 
-@pytest.mark.parametrize("name", sorted(_extension_functions()))
-def test_stub_signature_matches_the_extension(name):
-    stub = _stub_functions()[name]
-    names, keyword_only, returns = _extension_signature(_extension_functions()[name])
-    assert [arg.arg for arg in stub.args.args] == names
+def test_stub_has_exactly_the_extensions_classes():
+    stub = _stub_classes()
+    assert sorted(stub) == sorted(_extension_classes())
+    for name, cls in _extension_classes().items():
+        expected = [m for m in CLASS_METHODS if m in vars(cls)]
+        assert sorted(stub[name]) == sorted(expected), name
+
+
+def _check_stub_signature(stub, extension_function, skip_self=False):
+    names, keyword_only, returns = _extension_signature(extension_function)
+    stub_names = [arg.arg for arg in stub.args.args]
+    if skip_self:
+        assert names[0] == "self" and stub_names[0] == "self"
+        names, stub_names = names[1:], stub_names[1:]
+    assert stub_names == names
     assert [arg.arg for arg in stub.args.kwonlyargs] == keyword_only
     assert not stub.args.vararg and not stub.args.kwarg
     # Plain return types must agree; pybind11 says `object` where the stub is more precise.
@@ -102,6 +129,21 @@ def test_stub_signature_matches_the_extension(name):
         assert stub_returns == returns
     else:
         assert returns == "object" or stub_returns != "None"
+
+
+@pytest.mark.parametrize(
+    "name, method",
+    [(name, m) for name, cls in sorted(_extension_classes().items()) for m in CLASS_METHODS
+     if m in vars(cls)],
+)
+def test_stub_method_signature_matches_the_extension(name, method):
+    _check_stub_signature(_stub_classes()[name][method],
+                          getattr(_extension_classes()[name], method), skip_self=True)
+
+
+@pytest.mark.parametrize("name", sorted(_extension_functions()))
+def test_stub_signature_matches_the_extension(name):
+    _check_stub_signature(_stub_functions()[name], _extension_functions()[name])
 
 
 def test_stub_attributes_exist():

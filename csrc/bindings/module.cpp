@@ -7,6 +7,7 @@ namespace py = pybind11;
 namespace attnx::bindings {
 void register_attention(py::module_& m);
 void register_conversions(py::module_& m);
+void register_mha_plan(py::module_& m);
 void register_runtime(py::module_& m);
 }  // namespace attnx::bindings
 
@@ -14,5 +15,6 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "attnx C++ core (private: use the attnx package)";
   attnx::bindings::register_attention(m);
   attnx::bindings::register_conversions(m);
+  attnx::bindings::register_mha_plan(m);
   attnx::bindings::register_runtime(m);
 }

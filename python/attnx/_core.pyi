@@ -50,6 +50,34 @@ def mha(
     average_weights: bool,
     bottom_right: bool = False,
 ) -> None: ...
+class MhaPlan:
+    def __init__(
+        self,
+        num_heads: int,
+        w_q: npt.NDArray[np.floating],
+        w_k: npt.NDArray[np.floating],
+        w_v: npt.NDArray[np.floating],
+        b_q: npt.NDArray[np.floating] | None,
+        b_k: npt.NDArray[np.floating] | None,
+        b_v: npt.NDArray[np.floating] | None,
+        bias_k: npt.NDArray[np.floating] | None,
+        bias_v: npt.NDArray[np.floating] | None,
+        add_zero_attn: bool,
+        w_out: npt.NDArray[np.floating],
+        b_out: npt.NDArray[np.floating] | None,
+        batch_first: bool,
+    ) -> None: ...
+    def __call__(
+        self,
+        query: object,
+        key: object,
+        value: object,
+        need_weights: object,
+        average_weights: object,
+        causal: bool,
+        bottom_right: bool,
+    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating] | None] | None: ...
+
 def linear(
     x: npt.NDArray[np.floating],
     w: npt.NDArray[np.floating],

@@ -476,27 +476,13 @@ class MultiheadAttention:
     def _forward_plain(self, query, key, value, need_weights, average_attn_weights, is_causal):
         """The common call, without the general argument handling; None when it does not apply.
 
-        Applies to batched arrays of the module's dtype with contiguous rows, no masks
-        and bool flags. Everything else -- including every input that is wrong -- takes
-        the general path, which converts what it can and explains what it cannot.
+        Applies to batched ndarrays of the module's dtype with contiguous rows, no masks
+        and bool flags (the plan checks the arrays and flags). Everything else -- including
+        every input that is wrong -- takes the general path, which converts what it can and
+        explains what it cannot.
         """
-        plan = self._plain_parameters()
+        plan = self._plain_plan()
         if plan is None:
-            return None
-        dtype = self.dtype
-        for x in (query, key, value):
-            if (
-                type(x) is not np.ndarray
-                or x.ndim != 3
-                or x.dtype != dtype
-                or x.strides[2] != dtype.itemsize
-                or not x.flags.aligned
-            ):
-                return None
-        if need_weights is True:
-            if average_attn_weights is not True and average_attn_weights is not False:
-                return None
-        elif need_weights is not False:
             return None
         if is_causal is False:
             causal = bottom_right = False
@@ -505,52 +491,34 @@ class MultiheadAttention:
                 causal, bottom_right = causal_mode(is_causal)
             except ValueError:
                 return None
-        if self.batch_first:
-            q, k, v = query, key, value
-        else:
-            q, k, v = query.transpose(1, 0, 2), key.transpose(1, 0, 2), value.transpose(1, 0, 2)
-        N, L, E = q.shape
-        if E != self.embed_dim or k.shape[2] != self.kdim or v.shape[2] != self.vdim:
-            return None
-        if k.shape[0] != N or v.shape[:2] != k.shape[:2]:
-            return None
-        w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, w_out, b_out = plan
-        weights = None
-        if need_weights:
-            S_total = k.shape[1] + (bias_k is not None) + bool(self.add_zero_attn)
-            shape = (N, L, S_total) if average_attn_weights else (N, self.num_heads, L, S_total)
-            weights = np.empty(shape, dtype)
-        if self.batch_first:
-            out = out_view = np.empty((N, L, E), dtype)
-        else:
-            out = np.empty((L, N, E), dtype)
-            out_view = out.transpose(1, 0, 2)
         # (Positional arguments: pybind11's keyword matching costs about a microsecond.)
-        _core.mha(
-            self.num_heads, q, k, v, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v,
-            bool(self.add_zero_attn), None, None, None, None, causal,
-            w_out, b_out, out_view, weights, bool(average_attn_weights), bottom_right,
-        )
-        return out, weights
+        return plan(query, key, value, need_weights, average_attn_weights, causal, bottom_right)
 
-    # The parameter attributes, in the order _plain_parameters checks them.
+    # The parameter attributes, in the order _plain_plan checks them.
     _PLAIN_PARAMETERS = (
         "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
         "bias_k", "bias_v", "out_proj_weight", "out_proj_bias",
     )
 
-    def _plain_parameters(self):
-        """(w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, w_out, b_out) for _core.mha, or None.
+    def _plain_plan(self):
+        """A ``_core.MhaPlan`` of the parameters for the common call, or None.
 
         None unless every parameter is a C-contiguous, aligned array of the module's
-        float32/float64 dtype with its expected shape. The checked views are kept until
-        an attribute of the module is assigned (``__setattr__`` drops them); they share
-        the parameters' memory, so values written in place are seen.
+        float32/float64 dtype with its expected shape. The plan is kept until an
+        attribute of the module is assigned (``__setattr__`` drops it); it holds views
+        that share the parameters' memory, so values written in place are seen.
         """
         cached = self.__dict__.get("_plain_cache")
         if cached is None:
             params = tuple(getattr(self, name) for name in self._PLAIN_PARAMETERS)
-            cached = (self._build_plain_parameters(params),)
+            views = self._build_plain_parameters(params)
+            if views is not None:
+                w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, w_out, b_out = views
+                views = _core.MhaPlan(
+                    self.num_heads, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v,
+                    bool(self.add_zero_attn), w_out, b_out, bool(self.batch_first),
+                )
+            cached = (views,)
             self.__dict__["_plain_cache"] = cached
         return cached[0]
 
@@ -560,7 +528,7 @@ class MultiheadAttention:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.pop("_plain_cache", None)  # views: they would not share the copy's memory
+        state.pop("_plain_cache", None)  # a plan over views: they would not share the copy's memory
         return state
 
     def _build_plain_parameters(self, params):
