@@ -710,8 +710,11 @@ def core_sdpa_expected(q, k, v, mask, causal, scale):
 
 
 def fuzz_core(p: Provider):
-    which = p.choice(["sdpa", "sdpa", "sdpa_plain", "mha"])
+    which = p.choice(["sdpa", "sdpa", "sdpa_plain", "mha", "mha_plan"])
     dtype = p.choice([F32, F64])
+    if which == "mha_plan":
+        fuzz_core_mha_plan(p, dtype)
+        return
     if which in ("sdpa", "sdpa_plain"):
         B, Hk, g = p.int(0, 2), p.int(0, 2), p.int(1, 2)
         L, S, E, Ev = p.choice([0, 1, 3, 40]), p.choice([0, 1, 7, 600]), p.choice([1, 4, 16]), p.choice([1, 3, 8])
@@ -790,6 +793,75 @@ def fuzz_core(p: Provider):
         else:
             a[name] = malformed(p, a[name])
     ok, _ = call("_core.mha", lambda: _core.mha(**a))
+
+
+def fuzz_core_mha_plan(p: Provider, dtype):
+    """_core.MhaPlan: built from parameters (perhaps malformed), then called with inputs and
+    flags (perhaps malformed). A call it accepts must give _core.mha's result on the same
+    arrays; one it declines returns None; nothing else but a clear exception."""
+    H = p.int(1, 2)
+    E = H * p.choice([1, 2, 4])
+    kdim, vdim = p.choice([E, 3]), p.choice([E, 2])
+    bias_kv = p.bool(0.3)
+    params = dict(num_heads=H, w_q=values(p, (E, E), dtype), w_k=values(p, (E, kdim), dtype),
+                  w_v=values(p, (E, vdim), dtype), b_q=values(p, (E,), dtype) if p.bool() else None,
+                  b_k=values(p, (E,), dtype) if p.bool() else None,
+                  b_v=values(p, (E,), dtype) if p.bool() else None,
+                  bias_k=values(p, (E,), dtype) if bias_kv else None,
+                  bias_v=values(p, (E,), dtype) if bias_kv else None, add_zero_attn=p.bool(0.3),
+                  w_out=values(p, (E, E), dtype), b_out=values(p, (E,), dtype) if p.bool() else None,
+                  batch_first=p.bool())
+    if p.bool(0.3):
+        name = p.choice(list(params))
+        if name in ("num_heads", "add_zero_attn", "batch_first"):
+            params[name] = p.choice(SCALAR_JUNK + [-5, 7, 2**62])
+        else:
+            params[name] = malformed(p, params[name])
+    ok, plan = call("_core.MhaPlan", lambda: _core.MhaPlan(**params))
+    if not ok:
+        return
+    batch_first = params["batch_first"]
+    N, L, S = p.int(0, 2), p.choice([0, 1, 5]), p.choice([0, 1, 6])
+
+    def seq(length, dim):
+        return values(p, (N, length, dim) if batch_first else (length, N, dim), dtype)
+
+    args = [seq(L, E), seq(S, kdim), seq(S, vdim)]
+    flags = [p.choice([True, False]), p.choice([True, False]), p.bool(), p.bool()]
+    n_mut = p.choice([0, 0, 1, 2])
+    for _ in range(n_mut):
+        i = p.int(0, 5)
+        if i < 3:
+            args[i] = malformed(p, args[i])
+        else:
+            flags[i - 3] = p.choice(SCALAR_JUNK)
+    snap = snapshot(args + list(params.values()))
+    ok, got = call("_core.MhaPlan()", lambda: plan(*args, *flags))
+    check_untouched(snap, "_core.MhaPlan()")
+    if ok and got is None:
+        OUTCOMES["_core.MhaPlan(): declined"] += 1
+    if not ok or got is None:
+        return
+    need_weights, average, causal, bottom_right = flags
+    out, weights = got
+    q, k, v = (np.asarray(x) if batch_first else np.asarray(x).transpose(1, 0, 2) for x in args)
+    Sp = k.shape[1] + (params["bias_k"] is not None) + bool(params["add_zero_attn"])
+    expected_out = np.empty((q.shape[0], q.shape[1], E), q.dtype)
+    expected_weights = None
+    if need_weights is True:
+        shape = (q.shape[0], q.shape[1], Sp) if average is True else (q.shape[0], H, q.shape[1], Sp)
+        expected_weights = np.empty(shape, q.dtype)
+    _core.mha(H, q, k, v, params["w_q"], params["w_k"], params["w_v"], params["b_q"], params["b_k"],
+              params["b_v"], params["bias_k"], params["bias_v"], bool(params["add_zero_attn"]), None, None,
+              None, None, bool(causal), params["w_out"], params["b_out"], expected_out, expected_weights,
+              average is True, bool(bottom_right))
+    got_out = out if batch_first else out.transpose(1, 0, 2)
+    if not np.array_equal(got_out, expected_out, equal_nan=True):
+        raise Disallowed("_core.MhaPlan(): output differs from _core.mha's")
+    if (weights is None) != (expected_weights is None) or (
+            weights is not None and not np.array_equal(weights, expected_weights, equal_nan=True)):
+        raise Disallowed("_core.MhaPlan(): weights differ from _core.mha's")
+    OUTCOMES["_core.MhaPlan(): result checked"] += 1
 
 
 def fuzz_cache(p: Provider):
