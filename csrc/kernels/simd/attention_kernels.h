@@ -278,6 +278,30 @@ struct Kernels {
     // so a value row of up to 8W elements is streamed once.
     constexpr int kVectors = 8;
     constexpr int kChunk = kVectors * W;
+    if (dim > kChunk && dim % W == 0) {
+      // A row longer than the registers hold: rather than one pass over the
+      // keys per chunk of the row (each reading part of every row, a strided
+      // stream), one pass reading whole rows, two keys at a time, with the
+      // accumulator in L1. Each element still takes fma(p_j, v_j, acc) in key
+      // order, so the sums are the same to the bit.
+      int64_t j = 0;
+      for (; j + 2 <= n_keys; j += 2) {
+        const V p0 = Vec::set1(p[j]), p1 = Vec::set1(p[j + 1]);
+        const P* v0 = v + j * ldv;
+        const P* v1 = v0 + ldv;
+        for (int64_t d = 0; d < dim; d += W) {
+          const V a = Vec::fmadd(p0, load_stored<kSrc>(v0 + d), Vec::load(acc + d));
+          Vec::store(acc + d, Vec::fmadd(p1, load_stored<kSrc>(v1 + d), a));
+        }
+      }
+      if (j < n_keys) {
+        const V pj = Vec::set1(p[j]);
+        const P* vj = v + j * ldv;
+        for (int64_t d = 0; d < dim; d += W)
+          Vec::store(acc + d, Vec::fmadd(pj, load_stored<kSrc>(vj + d), Vec::load(acc + d)));
+      }
+      return;
+    }
     for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
       const int len = static_cast<int>(min64(kChunk, dim - d0));
       const int full = len / W, tail = len % W;
