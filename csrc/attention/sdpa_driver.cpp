@@ -201,13 +201,14 @@ bool rows_finite(const KernelTable<T>& kt, const T* v, int64_t ldv, int64_t n, i
 template <typename T>
 void accumulate_values(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
                        int64_t i, int64_t j0, int64_t n, bool any_closed, const T* p,
-                       const T* v, int64_t ldv, int64_t Ev, T* acc) {
+                       const T* v, int64_t ldv, int64_t Ev, T* acc, bool stream) {
   if (!any_closed || rows_finite(kt, v, ldv, n, Ev)) {
-    kt.accumulate_pv(p, v, ldv, n, Ev, acc);
+    kt.accumulate_pv(p, v, ldv, n, Ev, acc, stream);
     return;
   }
   for (int64_t j = 0; j < n; ++j)
-    if (!key_closed(a, b, h, i, j0 + j)) kt.accumulate_pv(p + j, v + j * ldv, ldv, 1, Ev, acc);
+    if (!key_closed(a, b, h, i, j0 + j))
+      kt.accumulate_pv(p + j, v + j * ldv, ldv, 1, Ev, acc, false);
 }
 
 // Scratch of one row-path task.
@@ -270,13 +271,16 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     const T* vb = direct_values ? nullptr : values.rows(start, n, v_buf, ldv);
     for (int64_t r = 0; r < rows; ++r) {
       T* s = tile + r * kKeyBlock;
+      // The first row reads the block from memory, the others from cache.
+      const bool stream = r == 0;
       // (1) scores
       const T* q = a.query.at(b, head[r], row[r]);
       if constexpr (std::is_same_v<T, float>) {
         if (direct_keys)
-          kt.scores_16bit[keys.bits_kind](q, keys.bits + start * keys.ld, keys.ld, n, E, a.scale, s);
+          kt.scores_16bit[keys.bits_kind](q, keys.bits + start * keys.ld, keys.ld, n, E, a.scale, s,
+                                          stream);
       }
-      if (!direct_keys) kt.scores(q, kb, ldk, n, E, a.scale, s);
+      if (!direct_keys) kt.scores(q, kb, ldk, n, E, a.scale, s, stream && keys.native);
       const KeyStates states = apply_masks(a, b, head[r], row[r], start, n, s);
       open[r] = open[r] || states.any_open;
       // (2) new running max and the rescale of what was accumulated
@@ -294,12 +298,12 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       if (direct_values && !states.any_closed) {
         if constexpr (std::is_same_v<T, float>)
           kt.accumulate_pv_16bit[values.bits_kind](s, values.bits + start * values.ld, values.ld,
-                                                   n, Ev, acc_r);
+                                                   n, Ev, acc_r, stream);
         continue;
       }
       if (direct_values) vb = values.rows(start, n, v_buf, ldv);  // closed keys: see below
       accumulate_values(a, kt, b, head[r], row[r], start, n, states.any_closed, s, vb, ldv, Ev,
-                        acc_r);
+                        acc_r, stream && values.native);
     }
   }
   if (states) {
@@ -370,7 +374,7 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
       const int64_t n = std::min(kKeyBlock, S_read - j0);
       int64_t ldk;
       const T* kb = keys.rows(j0, n, k_buf, ldk);
-      kt.scores(q, kb, ldk, n, E, a.scale, p + j0);
+      kt.scores(q, kb, ldk, n, E, a.scale, p + j0, i == i0 && keys.native);
     }
     std::fill(p + S_read, p + S, T(0));
     const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
@@ -387,7 +391,8 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
       const int64_t n = std::min(kKeyBlock, S_read - j0);
       int64_t ldv;
       const T* vb = values.rows(j0, n, v_buf, ldv);
-      accumulate_values(a, kt, b, h, i, j0, n, states.any_closed, p + j0, vb, ldv, Ev, o);
+      accumulate_values(a, kt, b, h, i, j0, n, states.any_closed, p + j0, vb, ldv, Ev, o,
+                        i == i0 && values.native);
     }
   }
 }
@@ -578,7 +583,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
           kt.scale(o + r * Ev, Ev, alpha[r]);
           for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
           accumulate_values(a, kt, b, h, i0 + r, start, n, true, p_row, vb, ldv, Ev,
-                            o + r * Ev);
+                            o + r * Ev, false);
         }
       }
       first_block = false;

@@ -46,13 +46,15 @@ struct KernelTable {
   // with the rules of attention/softmax_rules.h for -inf and NaN.
   void (*softmax_tile)(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha);
 
-  // Row kernels, for few queries and for the weights path.
+  // Row kernels, for few queries and for the weights path. With `stream`,
+  // the rows are taken to come from memory, read once: they are prefetched a
+  // few keys ahead of the reads.
   // dst[j] = scale * <q, k_j> for j < n_keys; key rows are ldk apart.
   void (*scores)(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
-                 T* dst);
+                 T* dst, bool stream);
   // acc[:dim] += sum_j p[j] * v_j over j < n_keys.
   void (*accumulate_pv)(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
-                        T* acc);
+                        T* acc, bool stream);
   // x[j] = exp(x[j] - shift) in place; returns the sum of the new values.
   T (*exp_shift_sum)(T* x, int64_t n, T shift);
   // y[j] *= alpha.
@@ -82,9 +84,9 @@ struct KernelTable {
   // scores and accumulate_pv with keys / values read straight from 16-bit
   // storage, widened in registers ([0] float16, [1] bfloat16; float tables only).
   void (*scores_16bit[2])(const T* q, const uint16_t* k, int64_t ldk, int64_t n_keys, int64_t dim,
-                          T scale, T* dst);
+                          T scale, T* dst, bool stream);
   void (*accumulate_pv_16bit[2])(const T* p, const uint16_t* v, int64_t ldv, int64_t n_keys,
-                                 int64_t dim, T* acc);
+                                 int64_t dim, T* acc, bool stream);
 };
 
 const KernelTable<float>& scalar_kernels_f32();
