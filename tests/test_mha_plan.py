@@ -157,3 +157,48 @@ def test_plan_leaves_the_inputs_unchanged():
     module._plain_plan()(q, k, v, True, False, False, False)
     for x, y in zip((q, k, v), before):
         np.testing.assert_array_equal(x, y)
+
+
+def _plan_and_core_mha(weights, dtype=np.float32, batch_first=True):
+    """The plan's output and _core.mha's on the same parameters and inputs."""
+    w_q, w_k, w_v, w_out = weights
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((N, n, w.shape[1])).astype(dtype)
+               for n, w in ((L, w_q), (S, w_k), (S, w_v)))
+    b = rng.standard_normal(E).astype(dtype)
+    plan = _core.MhaPlan(H, w_q, w_k, w_v, b, None, b, None, None, False, w_out, b, batch_first)
+    got, _ = plan(q, k, v, False, True, False, False)
+    expected = np.empty((N, L, E), dtype)
+    _core.mha(H, q, k, v, w_q, w_k, w_v, b, None, b, None, None, False, None, None, None, None,
+              False, w_out, b, expected, None, True, False)
+    return got, expected
+
+
+def test_plan_reads_weights_through_their_row_strides():
+    rng = np.random.default_rng(5)
+    wide = rng.standard_normal((E, 2 * E)).astype(np.float32)
+    sliced = wide[:, ::1][:, E // 2:E // 2 + E]  # rows 2E apart
+    broadcast = np.broadcast_to(rng.standard_normal(E).astype(np.float32), (E, E))  # rows 0 apart
+    square = rng.standard_normal((E, E)).astype(np.float32)
+    for weights in ((sliced, square, square, square), (square, sliced, sliced, broadcast),
+                    (broadcast, broadcast, square, sliced)):
+        got, expected = _plan_and_core_mha(weights)
+        np.testing.assert_array_equal(got, expected)
+        # ... and those equal the same weights made contiguous
+        contiguous, _ = _plan_and_core_mha([np.ascontiguousarray(w) for w in weights])
+        np.testing.assert_allclose(got, contiguous, rtol=2e-5, atol=2e-5)
+
+
+def test_plan_keeps_the_shapes_it_checked_when_the_caller_reshapes():
+    rng = np.random.default_rng(6)
+    w = [rng.standard_normal((E, E)).astype(np.float32) for _ in range(4)]
+    b = np.zeros(E, np.float32)
+    plan = _core.MhaPlan(H, *w[:3], b, b, b, None, None, False, w[3], b, True)
+    q = rng.standard_normal((N, L, E)).astype(np.float32)
+    before, _ = plan(q, q, q, False, True, False, False)
+    w[3].shape = (E // 2, 2 * E)  # the same memory, seen another way
+    after, _ = plan(q, q, q, False, True, False, False)
+    np.testing.assert_array_equal(after, before)
+    w[3][:] = 0  # values written in place are still used
+    zeroed, _ = plan(q, q, q, False, True, False, False)
+    np.testing.assert_array_equal(zeroed, np.zeros_like(zeroed))

@@ -5,7 +5,8 @@
 // the 24 arguments of _core.mha in Python and in the binding, so the module
 // keeps one of these per set of parameter arrays. It holds references to the
 // arrays (their memory, so values written in place are used), and each call
-// checks only the three inputs. A call that is not the common one -- not a
+// checks only the three inputs. It keeps its own ndarray views of them, so
+// that no one else can reshape or restride what it has checked. A call that is not the common one -- not a
 // plain 3-D ndarray of the module's dtype with contiguous rows, flags that
 // are not bools, shapes that do not match -- returns None, and the module
 // takes its general path, which converts or explains.
@@ -32,16 +33,16 @@ class MhaPlan {
           OptArray b_k, OptArray b_v, OptArray bias_k, OptArray bias_v, bool add_zero_attn,
           py::array w_out, OptArray b_out, bool batch_first)
       : num_heads_(num_heads),
-        w_q_(std::move(w_q)),
-        w_k_(std::move(w_k)),
-        w_v_(std::move(w_v)),
-        w_out_(std::move(w_out)),
-        b_q_(std::move(b_q)),
-        b_k_(std::move(b_k)),
-        b_v_(std::move(b_v)),
-        bias_k_(std::move(bias_k)),
-        bias_v_(std::move(bias_v)),
-        b_out_(std::move(b_out)),
+        w_q_(own_view(w_q)),
+        w_k_(own_view(w_k)),
+        w_v_(own_view(w_v)),
+        w_out_(own_view(w_out)),
+        b_q_(own_view(b_q)),
+        b_k_(own_view(b_k)),
+        b_v_(own_view(b_v)),
+        bias_k_(own_view(bias_k)),
+        bias_v_(own_view(bias_v)),
+        b_out_(own_view(b_out)),
         add_zero_attn_(add_zero_attn),
         batch_first_(batch_first) {
     if (w_q_.dtype().equal(py::dtype::of<float>()))
@@ -74,11 +75,14 @@ class MhaPlan {
 
  private:
   template <typename T>
-  void check_parameters() const {
+  void check_parameters() {
     const RowMajorView<const T> wq = matrix_view<T>(w_q_, "q_proj_weight");
     const RowMajorView<const T> wk = matrix_view<T>(w_k_, "k_proj_weight");
     const RowMajorView<const T> wv = matrix_view<T>(w_v_, "v_proj_weight");
     const RowMajorView<const T> wo = matrix_view<T>(w_out_, "out_proj_weight");
+    // A matrix's rows may be any distance apart (even 0, broadcast).
+    row_stride_q_ = wq.row_stride, row_stride_k_ = wk.row_stride, row_stride_v_ = wv.row_stride;
+    row_stride_out_ = wo.row_stride;
     const int64_t E = wq.rows;
     if (num_heads_ < 1 || E % num_heads_ != 0)
       throw py::value_error("embed_dim (" + std::to_string(E) +
@@ -133,10 +137,10 @@ class MhaPlan {
     MhaArgs<T> a;
     a.query = *q, a.key = *k, a.value = *v;
     a.num_heads = H;
-    a.w_q = RowMajorView<const T>{static_cast<const T*>(w_q_.data()), E, E, E};
-    a.w_k = RowMajorView<const T>{static_cast<const T*>(w_k_.data()), E, k->shape[2], k->shape[2]};
-    a.w_v = RowMajorView<const T>{static_cast<const T*>(w_v_.data()), E, v->shape[2], v->shape[2]};
-    a.w_out = RowMajorView<const T>{static_cast<const T*>(w_out_.data()), E, E, E};
+    a.w_q = RowMajorView<const T>{data_of<T>(w_q_), E, E, row_stride_q_};
+    a.w_k = RowMajorView<const T>{data_of<T>(w_k_), E, k->shape[2], row_stride_k_};
+    a.w_v = RowMajorView<const T>{data_of<T>(w_v_), E, v->shape[2], row_stride_v_};
+    a.w_out = RowMajorView<const T>{data_of<T>(w_out_), E, E, row_stride_out_};
     a.b_q = data_of<T>(b_q_), a.b_k = data_of<T>(b_k_), a.b_v = data_of<T>(b_v_);
     a.bias_k = data_of<T>(bias_k_), a.bias_v = data_of<T>(bias_v_);
     a.b_out = data_of<T>(b_out_);
@@ -169,8 +173,21 @@ class MhaPlan {
   }
 
   template <typename T>
+  static const T* data_of(const py::array& a) {
+    return static_cast<const T*>(a.data());
+  }
+
+  template <typename T>
   static const T* data_of(const OptArray& a) {
-    return a ? static_cast<const T*>(a->data()) : nullptr;
+    return a ? data_of<T>(*a) : nullptr;
+  }
+
+  // A new ndarray over the same memory, which only this plan references:
+  // its shape and strides stay the ones checked.
+  static py::array own_view(const py::array& a) { return a.attr("view")(); }
+
+  static OptArray own_view(const OptArray& a) {
+    return a ? OptArray(own_view(*a)) : std::nullopt;
   }
 
   static PyTypeObject* ndarray_type() {
@@ -182,6 +199,7 @@ class MhaPlan {
   int64_t num_heads_;
   py::array w_q_, w_k_, w_v_, w_out_;
   OptArray b_q_, b_k_, b_v_, bias_k_, bias_v_, b_out_;
+  int64_t row_stride_q_ = 0, row_stride_k_ = 0, row_stride_v_ = 0, row_stride_out_ = 0;
   bool add_zero_attn_, batch_first_;
   bool is_double_ = false;
 };
