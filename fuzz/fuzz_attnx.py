@@ -32,6 +32,7 @@ import argparse
 import atexit
 import json
 import math
+import operator
 import os
 import random
 import sys
@@ -846,7 +847,8 @@ def fuzz_core_mha_plan(p: Provider, dtype):
         return
     need_weights, average, causal, bottom_right = flags
     out, weights = got
-    heads = params["num_heads"]  # perhaps replaced above by another value the plan accepted
+    # Perhaps replaced above by another value the plan accepted (True: 1 head).
+    heads = operator.index(params["num_heads"])
     q, k, v = (np.asarray(x) if batch_first else np.asarray(x).transpose(1, 0, 2) for x in args)
     Sp = k.shape[1] + (params["bias_k"] is not None) + bool(params["add_zero_attn"])
     expected_out = np.empty((q.shape[0], q.shape[1], E), q.dtype)
