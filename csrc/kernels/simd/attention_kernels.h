@@ -204,28 +204,55 @@ struct Kernels {
   // first, in natural units, so a large mask value added to the scores
   // (-1e4 is common) costs no precision; exp2 then needs no range reduction.
   static void softmax_tile(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha) {
-    for (int lane0 = 0; lane0 < lanes; lane0 += W) {
-      // Step 1: the new running max of each query (NaN scores ignored).
-      V block_max = Vec::set1(kNegInf);
-      for (int64_t j = 0; j < rows; ++j)
-        block_max = Vec::max_ignoring_nan(block_max, Vec::load(s + j * QT + lane0));
-      const V m_old = Vec::load(m + lane0);
-      const V m_new = Vec::max_ignoring_nan(m_old, block_max);
-      // Step 2: exponentiate against it, summing; 0 replaces a -inf max.
-      const V shift = Vec::exp_shift(m_new);
-      const V log2e = Vec::set1(T(1.4426950408889634073599246810018921L));
-      V sum = Vec::zero();
-      for (int64_t j = 0; j < rows; ++j) {
-        T* sj = s + j * QT + lane0;
-        const V p = Vec::exp2_nonpositive(Vec::mul(Vec::sub(Vec::load(sj), shift), log2e));
-        Vec::store(sj, p);
-        sum = Vec::add(sum, p);
+    if (lanes == QT) return softmax_lanes<Vec::kQueryTileVectors>(s, rows, 0, m, l, alpha);
+    for (int lane0 = 0; lane0 < lanes; lane0 += W) softmax_lanes<1>(s, rows, lane0, m, l, alpha);
+  }
+
+  // softmax_tile for NV vectors of lanes from lane0. The vectors go side by
+  // side through each key row: their running maxima and sums are NV
+  // independent chains, where one vector at a time waits on the latency of
+  // each max and add (the same operations in the same order per lane: the
+  // same bits).
+  template <int NV>
+  static void softmax_lanes(T* s, int64_t rows, int lane0, T* m, T* l, T* alpha) {
+    // Step 1: the new running max of each query (NaN scores ignored).
+    V block_max[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) block_max[v] = Vec::set1(kNegInf);
+    for (int64_t j = 0; j < rows; ++j) {
+      const T* sj = s + j * QT + lane0;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v)
+        block_max[v] = Vec::max_ignoring_nan(block_max[v], Vec::load(sj + v * W));
+    }
+    V m_old[NV], shift[NV], sum[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      m_old[v] = Vec::load(m + lane0 + v * W);
+      const V m_new = Vec::max_ignoring_nan(m_old[v], block_max[v]);
+      Vec::store(m + lane0 + v * W, m_new);
+      // 0 replaces a -inf max.
+      shift[v] = Vec::exp_shift(m_new);
+      sum[v] = Vec::zero();
+    }
+    // Step 2: exponentiate against it, summing.
+    const V log2e = Vec::set1(T(1.4426950408889634073599246810018921L));
+    for (int64_t j = 0; j < rows; ++j) {
+      T* sj = s + j * QT + lane0;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const V p =
+            Vec::exp2_nonpositive(Vec::mul(Vec::sub(Vec::load(sj + v * W), shift[v]), log2e));
+        Vec::store(sj + v * W, p);
+        sum[v] = Vec::add(sum[v], p);
       }
-      // Step 3: rescale factor of what was accumulated, and the new sums.
-      const V a = Vec::exp2_nonpositive(Vec::mul(Vec::sub(m_old, shift), log2e));
-      Vec::store(alpha + lane0, a);
-      Vec::store(l + lane0, Vec::fmadd(a, Vec::load(l + lane0), sum));
-      Vec::store(m + lane0, m_new);
+    }
+    // Step 3: rescale factor of what was accumulated, and the new sums.
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const V a = Vec::exp2_nonpositive(Vec::mul(Vec::sub(m_old[v], shift[v]), log2e));
+      Vec::store(alpha + lane0 + v * W, a);
+      Vec::store(l + lane0 + v * W, Vec::fmadd(a, Vec::load(l + lane0 + v * W), sum[v]));
     }
   }
 
