@@ -18,6 +18,26 @@ enum class GemmInit {
   kBiasRows     // C = init 1^T + A.B         (init: M values)
 };
 
+// Cache lines that a kernel requests one per step of its main loop, from
+// each of a few ranges, so that the misses of memory needed soon after it
+// overlap its arithmetic. Asked for all at once, many lines stall the core
+// as soon as its few outstanding misses are in use. A range covers rows
+// `ld_bytes` apart, line k at first + (k / row_lines) * ld_bytes +
+// (k % row_lines) * 64, and the kernel requests k = begin, begin + 1, ...
+// up to end. A request never faults, wherever it points; addresses are
+// integers, so that no pointer is formed outside an array.
+struct LineRange {
+  uintptr_t first = 0;          // line 0's address
+  int64_t ld_bytes = 0;         // between rows
+  int64_t row_lines = 1;        // lines per row
+  int64_t begin = 0, end = 0;   // the lines to request
+
+  int64_t size() const { return end - begin; }
+};
+struct LineRequests {
+  LineRange ranges[2];
+};
+
 // Independent vector chains of fma_probe: enough to hide a 4-cycle
 // multiply-add latency at two issues per cycle.
 constexpr int kFmaProbeChains = 12;
@@ -43,8 +63,10 @@ struct KernelTable {
   // per query lane q:
   //   m' = max(m, max_j s[j][q]); s[j][q] = exp(s[j][q] - m');
   //   alpha[q] = exp(m - m'); l = alpha l + sum_j s[j][q]; m = m'
-  // with the rules of attention/softmax_rules.h for -inf and NaN.
-  void (*softmax_tile)(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha);
+  // with the rules of attention/softmax_rules.h for -inf and NaN. Per key
+  // row, it requests the next line of each range of `ahead`, while any is left.
+  void (*softmax_tile)(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha,
+                       const LineRequests& ahead);
 
   // Row kernels, for few queries and for the weights path. With `stream`,
   // the rows are taken to come from memory, read once: they are prefetched a

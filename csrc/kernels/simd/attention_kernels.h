@@ -44,6 +44,17 @@ inline void prefetch_rows(const P* first, int64_t ld, int rows, int64_t n) {
 #endif
 }
 
+// Asks for line k of `lines` (see LineRange).
+inline void request_line(const LineRange& lines, int64_t k) {
+#if defined(__GNUC__)
+  const int64_t row = k / lines.row_lines, line = k - row * lines.row_lines;
+  __builtin_prefetch(reinterpret_cast<const void*>(
+      lines.first + uintptr_t(row * lines.ld_bytes) + uintptr_t(line * 64)));
+#else
+  (void)lines, (void)k;
+#endif
+}
+
 // Register tile of gemm: MR rows x 2 vectors of C held in registers.
 constexpr int kPanelVectors = 2;
 
@@ -203,9 +214,11 @@ struct Kernels {
   // e^(s - m) is computed as 2^((s - m) log2 e): the difference is taken
   // first, in natural units, so a large mask value added to the scores
   // (-1e4 is common) costs no precision; exp2 then needs no range reduction.
-  static void softmax_tile(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha) {
-    if (lanes == QT) return softmax_lanes<Vec::kQueryTileVectors>(s, rows, 0, m, l, alpha);
-    for (int lane0 = 0; lane0 < lanes; lane0 += W) softmax_lanes<1>(s, rows, lane0, m, l, alpha);
+  static void softmax_tile(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha,
+                           const LineRequests& ahead) {
+    if (lanes == QT) return softmax_lanes<Vec::kQueryTileVectors>(s, rows, 0, m, l, alpha, &ahead);
+    for (int lane0 = 0; lane0 < lanes; lane0 += W)
+      softmax_lanes<1>(s, rows, lane0, m, l, alpha, lane0 == 0 ? &ahead : nullptr);
   }
 
   // softmax_tile for NV vectors of lanes from lane0. The vectors go side by
@@ -214,7 +227,8 @@ struct Kernels {
   // each max and add (the same operations in the same order per lane: the
   // same bits).
   template <int NV>
-  static void softmax_lanes(T* s, int64_t rows, int lane0, T* m, T* l, T* alpha) {
+  static void softmax_lanes(T* s, int64_t rows, int lane0, T* m, T* l, T* alpha,
+                            const LineRequests* ahead) {
     // Step 1: the new running max of each query (NaN scores ignored).
     V block_max[NV];
 #pragma GCC unroll 4
@@ -235,9 +249,14 @@ struct Kernels {
       shift[v] = Vec::exp_shift(m_new);
       sum[v] = Vec::zero();
     }
-    // Step 2: exponentiate against it, summing.
+    // Step 2: exponentiate against it, summing; per row, a line of each
+    // range of `ahead`.
+    const int64_t requests0 = ahead ? min64(rows, ahead->ranges[0].size()) : 0;
+    const int64_t requests1 = ahead ? min64(rows, ahead->ranges[1].size()) : 0;
     const V log2e = Vec::set1(T(1.4426950408889634073599246810018921L));
     for (int64_t j = 0; j < rows; ++j) {
+      if (j < requests0) request_line(ahead->ranges[0], ahead->ranges[0].begin + j);
+      if (j < requests1) request_line(ahead->ranges[1], ahead->ranges[1].begin + j);
       T* sj = s + j * QT + lane0;
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
