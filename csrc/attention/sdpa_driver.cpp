@@ -110,10 +110,8 @@ struct Band {
   bool empty() const { return hi <= lo; }
 };
 
-template <typename T>
-Band row_band(const SdpaArgs<T>& a, int64_t b, int64_t i) {
-  const KeyRange& r = a.range;
-  const int64_t klen = key_length(a, b), qlen = query_length(a, b);
+// The band of row i of a batch whose query and key lengths are qlen and klen.
+inline Band band_of(const KeyRange& r, int64_t qlen, int64_t klen, int64_t i) {
   if (i >= qlen) return {0, 0};
   Band band{0, klen};
   if (r.banded()) {
@@ -124,6 +122,11 @@ Band row_band(const SdpaArgs<T>& a, int64_t b, int64_t i) {
   }
   band.hi = std::max(band.hi, band.lo);
   return band;
+}
+
+template <typename T>
+Band row_band(const SdpaArgs<T>& a, int64_t b, int64_t i) {
+  return band_of(a.range, query_length(a, b), key_length(a, b), i);
 }
 
 // What masking found in a range of keys.
@@ -292,7 +295,7 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       const T block_sum = kt.exp_shift_sum(s, n, shift);
       // (3) update
       T* acc_r = acc + r * Ev;
-      if (alpha != T(1)) kt.scale(acc_r, Ev, alpha);
+      if (alpha != T(1)) kt.scale(acc_r, Ev, alpha, acc_r);
       l[r] = alpha * l[r] + block_sum;
       m[r] = m_new;
       if (direct_values && !states.any_closed) {
@@ -323,8 +326,7 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     if (!open[r]) {
       std::fill(o, o + Ev, T(0));
     } else {
-      const T inv = T(1) / l[r];
-      for (int64_t d = 0; d < Ev; ++d) o[d] = acc_r[d] * inv;
+      kt.scale(acc_r, Ev, T(1) / l[r], o);
     }
   }
 }
@@ -386,7 +388,7 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
       std::fill(p, p + S_read, T(0));
       continue;
     }
-    kt.scale(p, S_read, T(1) / sum);
+    kt.scale(p, S_read, T(1) / sum, p);
     for (int64_t j0 = 0; j0 < S_read; j0 += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, S_read - j0);
       int64_t ldv;
@@ -519,7 +521,8 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   const int64_t kv_head = h / (a.query.shape[1] / a.key.shape(1));
   // Padding rows (past the batch's query length) are zero.
   const int64_t tile_rows = std::min<int64_t>(qt, L - i0);
-  const int64_t rows = std::clamp<int64_t>(query_length(a, b) - i0, 0, tile_rows);
+  const int64_t qlen = query_length(a, b);
+  const int64_t rows = std::clamp<int64_t>(qlen - i0, 0, tile_rows);
   for (int64_t r = rows; r < tile_rows; ++r) {
     T* out = a.out.at(b, h, i0 + r);
     std::fill(out, out + Ev, T(0));
@@ -544,8 +547,9 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   // Without masks a query has an open key when its band holds one or keys
   // are appended; with masks, openness is found while closing.
   bool open[kMaxTile];
+  const int64_t klen = key_length(a, b);
   for (int64_t r = 0; r < rows; ++r) {
-    const Band band = row_band(a, b, i0 + r);
+    const Band band = band_of(a.range, qlen, klen, i0 + r);
     lo[r] = band.lo, hi[r] = band.hi;
     open[r] = !has_masks && (!band.empty() || S > a.mask_cols);
   }
@@ -624,7 +628,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       } else {
         if (first_block) std::fill(o, o + qt * Ev, T(0));
         for (int64_t r = 0; r < rows; ++r) {
-          kt.scale(o + r * Ev, Ev, alpha[r]);
+          kt.scale(o + r * Ev, Ev, alpha[r], o + r * Ev);
           for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
           accumulate_values(a, kt, b, h, i0 + r, start, n, true, p_row, vb, ldv, Ev,
                             o + r * Ev, false);
@@ -662,9 +666,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     if (!open[r]) {
       std::fill(out, out + Ev, T(0));
     } else {
-      const T inverse = T(1) / l_total[r];
-      const T* total = o_total + r * Ev;
-      for (int64_t d = 0; d < Ev; ++d) out[d] = total[d] * inverse;
+      kt.scale(o_total + r * Ev, Ev, T(1) / l_total[r], out);
     }
   }
 }

@@ -79,8 +79,8 @@ struct KernelTable {
                         T* acc, bool stream);
   // x[j] = exp(x[j] - shift) in place; returns the sum of the new values.
   T (*exp_shift_sum)(T* x, int64_t n, T shift);
-  // y[j] *= alpha.
-  void (*scale)(T* y, int64_t n, T alpha);
+  // y[j] = alpha * x[j]; y may be x.
+  void (*scale)(const T* x, int64_t n, T alpha, T* y);
   // Whether x[0..n) holds no NaN or infinity.
   bool (*all_finite)(const T* x, int64_t n);
   // dst[c * lanes + r] = scale * src[r * ld + c] for r < rows, c < cols, and

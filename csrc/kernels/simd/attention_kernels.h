@@ -433,13 +433,13 @@ struct Kernels {
     return Vec::reduce_add(sum);
   }
 
-  static void scale(T* y, int64_t n, T alpha) {
+  static void scale(const T* x, int64_t n, T alpha, T* y) {
     const V a = Vec::set1(alpha);
     int64_t j = 0;
-    for (; j + W <= n; j += W) Vec::store(y + j, Vec::mul(Vec::load(y + j), a));
+    for (; j + W <= n; j += W) Vec::store(y + j, Vec::mul(Vec::load(x + j), a));
     if (j < n) {
       const int len = static_cast<int>(n - j);
-      Vec::store_partial(y + j, Vec::mul(Vec::load_partial(y + j, len), a), len);
+      Vec::store_partial(y + j, Vec::mul(Vec::load_partial(x + j, len), a), len);
     }
   }
 
