@@ -493,6 +493,49 @@ def test_nan_in_masked_key_reaches_no_row(rng, how, where, dtype):
     assert np.isnan(rows[touched]).all()
 
 
+def non_finite_mask_on_padded_key(rng, value, L, dtype, **kwargs):
+    """Arguments whose float attn_mask holds `value` at (row 3, key 100) where batch 0's
+    key_padding_mask pads key 100, and the (N, L) rows that value reaches."""
+    N, S, i, j = 2, 140, 3, 100
+    args = mha_args(rng, L=L, S=S, N=N, E=8, dtype=dtype, **kwargs)
+    am = np.zeros((L, S), dtype)
+    am[i, j] = value
+    kpm = np.zeros((N, S), bool)
+    kpm[0, j] = True
+    args["attn_mask"], args["key_padding_mask"] = am, kpm
+    touched = np.zeros((N, L), bool)
+    touched[:, i] = True  # batch 1 attends key j; in batch 0, -inf + (+inf or NaN) is NaN
+    return args, touched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
+@pytest.mark.parametrize("L", [5, 40], ids=["rows", "tiles"])
+@pytest.mark.parametrize("value", [np.inf, np.nan], ids=["inf", "nan"])
+def test_non_finite_float_mask_on_padded_key_reaches_its_row(rng, value, L, need_weights, dtype):
+    # The masks are summed as torch merges them, so padding a key does not hide the
+    # attn_mask's +inf or NaN for it: the row gets NaN, as in torch and the reference.
+    args, touched = non_finite_mask_on_padded_key(rng, value, L, dtype, need_weights=need_weights)
+    with np.errstate(invalid="ignore"):
+        out, w = check(args)
+    rows = seq_rows(out, args)
+    assert np.isnan(rows[touched]).all()
+    assert np.isfinite(rows[~touched]).all()
+    if need_weights:
+        assert np.isnan(w[touched]).all() and np.isfinite(w[~touched]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("value", [np.inf, np.nan], ids=["inf", "nan"])
+def test_torch_non_finite_float_mask_on_padded_key(torch, rng, value, dtype):
+    args, touched = non_finite_mask_on_padded_key(rng, value, 5, dtype)
+    with np.errstate(invalid="ignore"):
+        out, _ = check_torch(torch, args, dead_rows=touched)
+        t_out, _ = torch_mha64(torch, args)
+    assert np.isnan(seq_rows(t_out, args)[touched]).all()
+    assert np.isnan(seq_rows(out, args)[touched]).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_nan_in_weights_propagates_to_every_row(rng, dtype):
     args = mha_args(rng, dtype=dtype)

@@ -135,10 +135,20 @@ struct KeyStates {
   bool any_closed = false;
 };
 
+// The masks' values for key j, summed as torch merges them. The key is closed
+// where the sum is -inf; a +inf or NaN of one mask where another is -inf sums
+// to NaN, so the key stays open and the NaN reaches the row, as in torch.
+template <typename T>
+T merged_masks(const T* const* rows, const int64_t* steps, int count, int64_t j) {
+  T sum = 0;
+  for (int m = 0; m < count; ++m) sum += rows[m][j * steps[m]];
+  return sum;
+}
+
 // Applies the key range and the masks to the scores of query row i against
-// keys [j0, j0 + n). A closed key (outside the row's band, or a mask value of
-// -inf) gets the score -inf by selection, not addition, so that a NaN in its
-// key cannot reach this row.
+// keys [j0, j0 + n). A closed key (outside the row's band, or masks summing
+// to -inf) gets the score -inf by selection, not addition, so that a NaN in
+// its key cannot reach this row.
 template <typename T>
 KeyStates apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j0,
                       int64_t n, T* s) {
@@ -162,14 +172,8 @@ KeyStates apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int
     return states;
   }
   for (int64_t j = open_begin; j < open_end; ++j) {
-    // The masks are summed before they are added, as torch merges them.
-    bool open = true;
-    T added = 0;
-    for (int m = 0; m < count; ++m) {
-      const T value = rows[m][j * steps[m]];
-      open = open && value != kNegInf<T>;
-      added += value;
-    }
+    const T added = merged_masks(rows, steps, count, j);
+    const bool open = added != kNegInf<T>;
     s[j - j0] = open ? s[j - j0] + added : kNegInf<T>;
     states.any_open = states.any_open || open;
     states.any_closed = states.any_closed || !open;
@@ -183,9 +187,10 @@ bool key_closed(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j
   if (j >= a.mask_cols) return false;
   const Band band = row_band(a, b, i);
   if (j < band.lo || j >= band.hi) return true;
+  T added = 0;  // as merged_masks
   for (const auto& mask : a.masks)
-    if (mask.present() && mask.at(b, h, i)[j * mask.stride[3]] == kNegInf<T>) return true;
-  return false;
+    if (mask.present()) added += mask.at(b, h, i)[j * mask.stride[3]];
+  return added == kNegInf<T>;
 }
 
 template <typename T>
@@ -407,12 +412,12 @@ bool close_tile(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t 
                 int64_t n, int qt, const int64_t* lo, const int64_t* hi, T* st, bool* open) {
   const int64_t masked_end = std::clamp(a.mask_cols, j0, j0 + n);
   if (masked_end < j0 + n) std::fill(open, open + rows, true);  // appended keys are open
-  const T* mask_rows[kMaxMasks][kMaxTile];
+  const T* mask_rows[kMaxTile][kMaxMasks];  // each lane's row of each mask
   int64_t steps[kMaxMasks];
   int count = 0;
   for (const auto& mask : a.masks) {
     if (!mask.present()) continue;
-    for (int64_t r = 0; r < rows; ++r) mask_rows[count][r] = mask.at(b, h, i0 + r);
+    for (int64_t r = 0; r < rows; ++r) mask_rows[r][count] = mask.at(b, h, i0 + r);
     steps[count++] = mask.stride[3];
   }
   bool any_closed = false;
@@ -428,13 +433,8 @@ bool close_tile(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t 
     any_closed = any_closed || first > 0 || last < rows;
     if (count == 0) continue;
     for (int64_t r = first; r < last; ++r) {
-      bool is_open = true;
-      T added = 0;  // the masks are summed before they are added, as torch merges them
-      for (int m = 0; m < count; ++m) {
-        const T value = mask_rows[m][r][j * steps[m]];
-        is_open = is_open && value != kNegInf<T>;
-        added += value;
-      }
+      const T added = merged_masks(mask_rows[r], steps, count, j);
+      const bool is_open = added != kNegInf<T>;
       srow[r] = is_open ? srow[r] + added : kNegInf<T>;
       open[r] = open[r] || is_open;
       any_closed = any_closed || !is_open;
