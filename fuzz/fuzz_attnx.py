@@ -318,6 +318,21 @@ def logits_moderate(q, k, scale) -> bool:
         return True
 
 
+def input_arrays(inputs):
+    """The inputs as arrays: lists and other array-likes reach attnx as arrays too, so their
+    values decide whether a result can be compared as much as an ndarray's do."""
+    arrays = []
+    for x in inputs:
+        if isinstance(x, np.ndarray):
+            arrays.append(x)
+        elif isinstance(x, (list, tuple)):
+            try:
+                arrays.append(np.asarray(x))
+            except (ValueError, TypeError, OverflowError):
+                pass  # ragged or not numeric: attnx rejected it, nothing to compare
+    return arrays
+
+
 def compare(got, expected, dtype, what, inputs, moderate=True, tolerance=None):
     """`got` must have `dtype` and the reference's shape, and its values the reference's within
     the tolerance of `tolerance` (default `dtype`), where the inputs allow a comparison."""
@@ -329,7 +344,7 @@ def compare(got, expected, dtype, what, inputs, moderate=True, tolerance=None):
         raise Disallowed(f"{what}: not an ndarray: {type(got).__name__}")
     if got.dtype != dtype or got.shape != np.shape(expected):
         raise Disallowed(f"{what}: dtype/shape {got.dtype} {got.shape}, expected {dtype} {np.shape(expected)}")
-    arrays = [x for x in inputs if isinstance(x, np.ndarray)]
+    arrays = input_arrays(inputs)
     expected = np.asarray(expected, dtype=np.float64)
     if well_scaled(arrays) and moderate:
         OUTCOMES["result checked"] += 1

@@ -96,3 +96,20 @@ def test_enable_gqa_is_checked_on_every_path(flag):
         attnx.scaled_dot_product_attention(q, q, q, scale=0.5, enable_gqa=flag)
     with pytest.raises(TypeError, match="enable_gqa"):
         attnx.scaled_dot_product_attention(q, q, q, enable_gqa=flag)
+
+
+def test_oracle_judges_list_inputs_by_their_values():
+    """Found by the fuzzer: a key passed as a list of values near float32's limit made
+    float32 scores overflow (a NaN row, where the float64 reference stays finite), and the
+    oracle compared the results with the tolerance because it judged only ndarray inputs as
+    well or badly scaled. A list's values now count as an array's do."""
+    fz = load_fuzz_module()
+    got = np.full((1, 2), np.nan, np.float32)
+    expected = np.ones((1, 2))
+    extreme = [[-3e38, 2e38, 1.0]]
+    before = fz.OUTCOMES["result not comparable (extreme values)"]
+    fz.compare(got, expected, np.dtype(np.float32), "list input", [np.ones((1, 3), np.float32), extreme])
+    assert fz.OUTCOMES["result not comparable (extreme values)"] == before + 1
+    # A well-scaled list still gets the tolerance check.
+    with pytest.raises(AssertionError):
+        fz.compare(got, expected, np.dtype(np.float32), "list input", [np.ones((1, 3), np.float32), [[0.5, 1.0]]])
