@@ -537,6 +537,38 @@ def test_torch_non_finite_float_mask_on_padded_key(torch, rng, value, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("kpm_kind", ["bool", "float"])
+def test_mask_layouts_give_the_same_bits(rng, kpm_kind, dtype):
+    # The tile path reads masks whose keys are contiguous a block at a time (transposed into
+    # the tile's layout by the kernel) and other masks a key at a time: the same values in
+    # any layout must give the same bits, NaN and +-inf included.
+    N, L, S = 2, 70, 90
+    args = mha_args(rng, L=L, S=S, N=N, E=16, H=2, dtype=dtype, need_weights=False)
+    am = randn(rng, (L, S), dtype)
+    am[rng.random((L, S)) < 0.2] = -np.inf
+    am[3, 5], am[10, 7], am[12, 8] = np.nan, np.inf, -0.0
+    kpm = mha_mask(rng, kpm_kind, (N, S), dtype)
+    if kpm_kind == "bool":
+        kpm[0, 7] = kpm[1, 5] = True
+    else:
+        kpm[0, 7], kpm[1, 5], kpm[1, 9] = -np.inf, -np.inf, np.nan
+    layouts = {
+        "C": am,
+        "F": np.asfortranarray(am),
+        "rows_reversed": am[::-1].copy()[::-1],
+        "keys_strided": np.repeat(am, 2, axis=1)[:, ::2],
+        "per_head": np.broadcast_to(am, (N * 2, L, S)),
+    }
+    outs = {}
+    with np.errstate(invalid="ignore"):
+        for name, mask in layouts.items():
+            outs[name], _ = mha(**{**args, "attn_mask": mask, "key_padding_mask": kpm})
+        check({**args, "attn_mask": am, "key_padding_mask": kpm})
+    for name, out in outs.items():
+        np.testing.assert_array_equal(out, outs["C"], err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_nan_in_weights_propagates_to_every_row(rng, dtype):
     args = mha_args(rng, dtype=dtype)
     args["out_proj_weight"][3, 1] = np.nan

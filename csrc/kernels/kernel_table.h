@@ -67,6 +67,11 @@ struct KernelTable {
   // row, it requests the next line of each range of `ahead`, while any is left.
   void (*softmax_tile)(T* s, int64_t rows, int lanes, T* m, T* l, T* alpha,
                        const LineRequests& ahead);
+  // The masks' sums on a score tile laid out as softmax_tile's (keys x
+  // lanes, row stride ld): s[j][q] += sums[j][q], or -inf where the sum is
+  // -inf (a closed key, whatever its score), for j < keys and q < lanes (a
+  // multiple of the vector width); closed[q] = the keys closed to lane q.
+  void (*add_mask_sums)(T* s, const T* sums, int64_t keys, int64_t ld, int lanes, T* closed);
 
   // Row kernels, for few queries and for the weights path. With `stream`,
   // the rows are taken to come from memory, read once: they are prefetched a

@@ -275,6 +275,20 @@ struct Kernels {
     }
   }
 
+  static void add_mask_sums(T* s, const T* sums, int64_t keys, int64_t ld, int lanes,
+                            T* closed) {
+    for (int lane0 = 0; lane0 < lanes; lane0 += W) {
+      V count = Vec::zero();
+      for (int64_t j = 0; j < keys; ++j) {
+        const V sum = Vec::load(sums + j * ld + lane0);
+        T* sj = s + j * ld + lane0;
+        Vec::store(sj, Vec::add_unless_closed(Vec::load(sj), sum));
+        count = Vec::add(count, Vec::closed_indicator(sum));
+      }
+      Vec::store(closed + lane0, count);
+    }
+  }
+
   // ---- row kernels ---------------------------------------------------------
   // Loads of stored elements as vectors of T: T itself, or 16-bit floats
   // (float16, bfloat16) widened on the way in.
@@ -535,7 +549,7 @@ struct Kernels {
 
   static KernelTable<T> table(const char* name, Isa isa) {
     KernelTable<T> t{name,   isa,  W,      QT,     NR, kWideWidth,
-                     gemm,   softmax_tile, scores, accumulate_pv,
+                     gemm,   softmax_tile, add_mask_sums, scores, accumulate_pv,
                      exp_shift_sum, scale,        all_finite,
                      pack_transposed, gemm_wide, fma_probe, nullptr, nullptr,
                      {nullptr, nullptr}, {nullptr, nullptr}};

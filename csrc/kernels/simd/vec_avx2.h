@@ -102,6 +102,16 @@ struct Avx2F32 {
     const V neg_inf = _mm256_cmp_ps(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm256_blendv_ps(m, zero(), neg_inf);
   }
+  // s + m, or -inf where m is -inf (a closed key: whatever s holds).
+  static V add_unless_closed(V s, V m) {
+    const V closed = _mm256_cmp_ps(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(_mm256_add_ps(s, m), m, closed);
+  }
+  // 1 in the lanes where m is -inf, else 0.
+  static V closed_indicator(V m) {
+    const V closed = _mm256_cmp_ps(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm256_and_ps(closed, set1(1.0f));
+  }
   static V exp(V x) {
     using C = ExpConstants<T>;
     // Clamped so that n fits [-160, 130]; 2^n is built as 2^(n/2) * 2^(n - n/2)
@@ -214,6 +224,15 @@ struct Avx2F64 {
   static V exp_shift(V m) {
     const V neg_inf = _mm256_cmp_pd(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm256_blendv_pd(m, zero(), neg_inf);
+  }
+  // As Avx2F32's.
+  static V add_unless_closed(V s, V m) {
+    const V closed = _mm256_cmp_pd(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm256_blendv_pd(_mm256_add_pd(s, m), m, closed);
+  }
+  static V closed_indicator(V m) {
+    const V closed = _mm256_cmp_pd(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm256_and_pd(closed, set1(1.0));
   }
   static V exp(V x) {
     using C = ExpConstants<T>;

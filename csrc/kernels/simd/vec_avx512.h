@@ -69,6 +69,18 @@ struct Avx512F32 {
         _mm512_cmp_ps_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm512_mask_blend_ps(neg_inf, m, zero());
   }
+  // s + m, or -inf where m is -inf (a closed key: whatever s holds).
+  static V add_unless_closed(V s, V m) {
+    const __mmask16 closed =
+        _mm512_cmp_ps_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(closed, _mm512_add_ps(s, m), m);
+  }
+  // 1 in the lanes where m is -inf, else 0.
+  static V closed_indicator(V m) {
+    const __mmask16 closed =
+        _mm512_cmp_ps_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm512_maskz_mov_ps(closed, set1(1.0f));
+  }
   static V exp(V x) {
     using C = ExpConstants<T>;
     // Clamp so that 2^n stays finite for scalef; exp(-inf) then scales to an
@@ -153,6 +165,17 @@ struct Avx512F64 {
     const __mmask8 neg_inf =
         _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm512_mask_blend_pd(neg_inf, m, zero());
+  }
+  // As Avx512F32's.
+  static V add_unless_closed(V s, V m) {
+    const __mmask8 closed =
+        _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_pd(closed, _mm512_add_pd(s, m), m);
+  }
+  static V closed_indicator(V m) {
+    const __mmask8 closed =
+        _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
+    return _mm512_maskz_mov_pd(closed, set1(1.0));
   }
   static V exp(V x) {
     using C = ExpConstants<T>;

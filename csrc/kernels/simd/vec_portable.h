@@ -127,6 +127,16 @@ struct Portable {
       return m.lane[i] == -std::numeric_limits<T>::infinity() ? T(0) : m.lane[i];
     });
   }
+  // s + m, or -inf where m is -inf (a closed key: whatever s holds).
+  static V add_unless_closed(V s, V m) {
+    return map([&](int i) {
+      return m.lane[i] == -std::numeric_limits<T>::infinity() ? m.lane[i] : s.lane[i] + m.lane[i];
+    });
+  }
+  // 1 in the lanes where m is -inf, else 0.
+  static V closed_indicator(V m) {
+    return map([&](int i) { return m.lane[i] == -std::numeric_limits<T>::infinity() ? T(1) : T(0); });
+  }
   static V exp(V x) {
     return map([&](int i) { return std::exp(x.lane[i]); });
   }
