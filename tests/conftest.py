@@ -68,10 +68,11 @@ def tolerance(dtype):
     return TOLERANCES[np.dtype(dtype)]
 
 
-def assert_close(actual, expected64, dtype, err_msg=""):
+def assert_close(actual, expected64, dtype, err_msg="", atol=None):
     """``actual`` (attnx's result) has ``dtype`` and agrees with a float64 expectation.
 
     NaN must sit exactly where the expectation has NaN (and +-inf must match exactly).
+    ``atol`` replaces the dtype's absolute tolerance where given.
     """
     dtype = np.dtype(dtype)
     assert isinstance(actual, np.ndarray), type(actual)
@@ -80,7 +81,7 @@ def assert_close(actual, expected64, dtype, err_msg=""):
     assert actual.shape == expected64.shape, f"shape {actual.shape}, expected {expected64.shape}"
     np.testing.assert_allclose(
         actual.astype(np.float64), expected64.astype(np.float64), equal_nan=True,
-        err_msg=err_msg, **tolerance(dtype)
+        err_msg=err_msg, **{**tolerance(dtype), **({} if atol is None else {"atol": atol})}
     )
 
 

@@ -1,7 +1,8 @@
 """attnx.multi_head_attention_forward against the NumPy reference and against torch.
 
 The reference runs in float64 on float64 copies of every float input; attnx's float32 results
-(output and weights) must agree to rtol 1e-5 / atol 1e-6, its float64 results to 1e-12.
+must agree to rtol 1e-5 / atol 1e-6 (the output's atol grows with the square root of the
+embedding size, see output_atol), its float64 results to 1e-12.
 Every argument is exercised alone and in combination: masks (none, bool, float; 2-D and 3-D),
 key_padding_mask (none, bool, float), bias_k/bias_v, add_zero_attn, static_k/static_v,
 kdim/vdim, batch_first, unbatched inputs, need_weights, average_attn_weights and is_causal.
@@ -40,12 +41,23 @@ def torch():
     return pytest.importorskip("torch")
 
 
+def output_atol(args, ref_out, dtype):
+    """The absolute tolerance of a float32 output: its rounding error is a sum over the
+    embedding (the projections) and grows as sqrt(E) times the output's size, 3-5 units of
+    2^-24 * sqrt(E) * rms in attnx and torch alike; 1e-6 alone fails at E = 160 on some seeds."""
+    if np.dtype(dtype) != np.float32:
+        return None
+    E = args["embed_dim_to_check"]
+    rms = np.sqrt(np.mean(np.square(ref_out[np.isfinite(ref_out)]))) if ref_out.size else 0.0
+    return max(1e-6, 8 * 2.0**-24 * np.sqrt(E) * rms)
+
+
 def check(args, dtype=None):
     """attnx vs the float64 reference, output and weights; returns attnx's (out, weights)."""
     dtype = np.asarray(args["query"]).dtype if dtype is None else dtype
     out, w = mha(**args)
     ref_out, ref_w = ref_mha(**args)
-    assert_close(out, ref_out, dtype, err_msg="attn_output")
+    assert_close(out, ref_out, dtype, err_msg="attn_output", atol=output_atol(args, ref_out, dtype))
     if args.get("need_weights", True):
         assert w is not None
         assert_close(w, ref_w, dtype, err_msg="attn_weights")
@@ -596,11 +608,23 @@ def test_nonfinite_value_of_open_key_with_underflowing_weight(rng, need_weights,
 
 @pytest.mark.parametrize("scale", [30.0, 300.0])
 def test_large_logits_do_not_overflow(rng, scale):
-    # Large projections: scores of ~1e4 and more. float64 must match the reference tightly;
+    # Large projections: scores of ~1e4 and more. float64 must match the reference closely;
     # float32 must stay finite and the weights must still sum to one.
     args = mha_args(rng, L=33, S=140, N=2, E=16, H=2, dtype=np.float64, average_attn_weights=False)
     args["in_proj_weight"] = args["in_proj_weight"] * scale
-    out, w = check(args)
+    out, w = mha(**args)
+    ref_out, ref_w = ref_mha(**args)
+    # Rounding a score s moves e^s by |s| * 2^-53 relatively (2e-12 at 1e4), whatever order its
+    # products are summed in: the 1e-12 of well-scaled inputs cannot hold here.
+    E, H = 16, 2
+    w_in, b_in = args["in_proj_weight"], args["in_proj_bias"]
+    q = (args["query"] @ w_in[:E].T + b_in[:E]).reshape(33, 2, H, E // H)
+    k = (args["key"] @ w_in[E:2 * E].T + b_in[E:2 * E]).reshape(140, 2, H, E // H)
+    largest = np.abs(np.einsum("lnhd,snhd->nhls", q, k)).max() / np.sqrt(E // H)
+    assert largest > 1e3
+    tol = 4 * largest * 2.0**-53
+    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(w, ref_w, rtol=tol, atol=tol)
     assert np.isfinite(out).all()
     assert np.abs(w).max() > 0.99  # nearly one-hot rows: the logits are large
     a32 = {k: (v.astype(np.float32) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
@@ -713,12 +737,13 @@ def check_torch(torch, args, dead_rows=None):
     out, w = mha(**args)
     t_out, t_w = torch_mha64(torch, args)
     if dead_rows is None:
-        assert_close(out, t_out, dtype)
+        assert_close(out, t_out, dtype, atol=output_atol(args, t_out, dtype))
         if w is not None:
             assert_close(w, t_w, dtype)
         return out, w
     ours, theirs = seq_rows(out, args), seq_rows(t_out, args)
-    assert_close(ours[~dead_rows], theirs[~dead_rows], dtype)
+    live = theirs[~dead_rows]
+    assert_close(ours[~dead_rows], live, dtype, atol=output_atol(args, live, dtype))
     if w is not None:
         w3 = w if w.ndim == 3 else w[None]
         tw3 = t_w if t_w.ndim == 3 else t_w[None]
