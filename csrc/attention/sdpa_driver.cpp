@@ -738,6 +738,137 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   }
 }
 
+// The weights path (need_weights) a tile of queries at a time, against all
+// its keys at once: the scores come from the kernel's gemm block by block
+// (keys x qt, as in flash_tile) and are masked as there, then transposed
+// into the rows of the weights, where each row's softmax is taken as in
+// rows_with_weights; the weights then multiply the values block by block,
+// read in place by the gemm. Each weight is written once, the keys and
+// values are read once per tile. Used where a tile's scores fit
+// kWeightsTileBytes; longer key sequences take the row path.
+constexpr int64_t kWeightsTileBytes = 2 << 20;
+
+template <typename T>
+bool weights_tile_fits(int qt, int64_t S) {
+  return S * qt * int64_t(sizeof(T)) <= kWeightsTileBytes;
+}
+
+template <typename T>
+size_t weights_tile_scratch_size(int qt, int vector_width, int64_t S, int64_t E, int64_t Ev,
+                                 int64_t key_block) {
+  const int64_t S_lanes = (S + vector_width - 1) / vector_width * vector_width;
+  return size_t(E * qt + (S + key_block) * qt + qt * Ev + key_block * (E + Ev) +
+                2 * key_block * qt + qt * S_lanes);
+}
+
+template <typename T>
+void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
+                  int64_t i0, int64_t key_block, T* scratch) {
+  const int qt = kt.query_tile, W = kt.vector_width;
+  const int64_t Hq = a.query.shape[1], L = a.query.shape[2], S = a.key.shape(2);
+  const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
+  const int64_t kv_head = h / (Hq / a.key.shape(1));
+  auto weights_row = [&](int64_t r) { return a.weights + ((b * Hq + h) * L + i0 + r) * S; };
+  // Padding rows (past the batch's query length) are zero.
+  const int64_t tile_rows = std::min<int64_t>(qt, L - i0);
+  const int64_t qlen = query_length(a, b);
+  const int64_t rows = std::clamp<int64_t>(qlen - i0, 0, tile_rows);
+  for (int64_t r = rows; r < tile_rows; ++r) {
+    std::fill_n(a.out.at(b, h, i0 + r), Ev, T(0));
+    std::fill_n(weights_row(r), S, T(0));
+  }
+  if (rows == 0) return;
+  const int64_t S_lanes = (S + W - 1) / W * W;
+  T* q_t = scratch;                          // E x qt
+  T* st = q_t + E * qt;                      // (S + key_block) x qt: every key's scores
+  T* o = st + (S + key_block) * qt;          // qt x Ev
+  T* k_buf = o + qt * Ev;                    // key_block x E: widened keys
+  T* v_buf = k_buf + key_block * E;          // key_block x Ev: widened values
+  T* mask_scratch = v_buf + key_block * Ev;  // 2 x key_block x qt
+  T* w_rows = mask_scratch + 2 * key_block * qt;  // qt x S_lanes: the weights' rows
+
+  int64_t lo[kMaxTile], hi[kMaxTile];
+  const bool has_masks = a.masks[0].present() || a.masks[1].present();
+  bool open[kMaxTile];
+  const int64_t klen = key_length(a, b);
+  for (int64_t r = 0; r < rows; ++r) {
+    const Band band = band_of(a.range, qlen, klen, i0 + r);
+    lo[r] = band.lo, hi[r] = band.hi;
+    open[r] = !has_masks && (!band.empty() || S > a.mask_cols);
+  }
+  // Keys past the last band end (and not appended) are closed to every row:
+  // not read, weight 0.
+  const int64_t S_end = S > a.mask_cols ? S : std::min(S, hi[rows - 1]);
+  const int lanes = static_cast<int>((rows + W - 1) / W) * W;
+  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
+  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
+  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+
+  // (1) scores and (2) masks, block by block
+  bool any_closed = false;  // among the keys read
+  for (int64_t j0 = 0; j0 < S_end; j0 += key_block) {
+    const int64_t n = std::min(key_block, S_end - j0);
+    int64_t ldk;
+    const T* kb = keys.rows(j0, n, k_buf, ldk);
+    T* sb = st + j0 * qt;
+    kt.gemm(n, lanes, E, kb, ldk, 1, q_t, qt, sb, qt, GemmInit::kZero, nullptr);
+    const int64_t source_end = std::min(j0 + n, a.mask_cols);
+    const bool crosses_band = j0 < source_end && (j0 < lo[rows - 1] || source_end > hi[0]);
+    if (has_masks || crosses_band)
+      any_closed = close_tile(a, kt, b, h, i0, rows, j0, n, qt, lo, hi, sb, open, mask_scratch) ||
+                   any_closed;
+  }
+  // (3) the scores transposed into the rows of the weights (zero past
+  // S_end), straight into the weights where their rows are whole vectors
+  const bool direct = S % W == 0;
+  T* p = direct ? weights_row(0) : w_rows;
+  const int64_t ldp = direct ? S : S_lanes;
+  kt.pack_transposed(st, qt, S_end, rows, T(1), p, ldp);
+  // (4) softmax over each row, as rows_with_weights: a fully masked row is
+  // zero; one with open keys whose scores were all -inf (an Inf in the
+  // inputs) has sum 0 and gives 0/0 = NaN.
+  for (int64_t r = 0; r < rows; ++r) {
+    T* pr = p + r * ldp;
+    if (!open[r] || S_end == 0) {
+      std::fill(pr, pr + S_end, T(0));
+      continue;
+    }
+    T row_max = kNegInf<T>;
+    for (int64_t j = 0; j < S_end; ++j) row_max = max_ignoring_nan(row_max, pr[j]);
+    const T sum = kt.exp_shift_sum(pr, S_end, exp_shift(row_max));
+    kt.scale(pr, S_end, T(1) / sum, pr);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!direct) std::copy_n(w_rows + r * S_lanes, S_end, weights_row(r));
+    std::fill(weights_row(r) + S_end, weights_row(r) + S, T(0));
+  }
+
+  // (5) the output: the probabilities times the values
+  for (int64_t j0 = 0; j0 < S_end; j0 += key_block) {
+    const int64_t n = std::min(key_block, S_end - j0);
+    int64_t ldv;
+    const T* vb = values.rows(j0, n, v_buf, ldv);
+    // A closed key has probability 0, and 0 * NaN would carry a NaN in its
+    // value into the row (see accumulate_values).
+    if (!any_closed || rows_finite(kt, vb, ldv, n, Ev)) {
+      kt.gemm(rows, Ev, n, p + j0, ldp, 1, vb, ldv, o, Ev,
+              j0 == 0 ? GemmInit::kZero : GemmInit::kAccumulate, nullptr);
+    } else {
+      if (j0 == 0) std::fill(o, o + qt * Ev, T(0));
+      for (int64_t r = 0; r < rows; ++r)
+        accumulate_values(a, kt, b, h, i0 + r, j0, n, true, p + r * ldp + j0, vb, ldv, Ev,
+                          o + r * Ev, false);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* out = a.out.at(b, h, i0 + r);
+    if (S_end == 0 || !open[r])
+      std::fill(out, out + Ev, T(0));
+    else
+      std::copy_n(o + r * Ev, Ev, out);
+  }
+}
+
 }  // namespace
 
 // Scratch memory of the calling thread, uninitialised, kept between calls
@@ -772,17 +903,22 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   // so that one (b, key head) of a decoding step can use every core. The
   // split depends on the shape only, never on the thread count.
   const bool tiled = !a.weights && L * 4 >= kt.query_tile;
+  const bool weights_tiled =
+      a.weights && L * 4 >= kt.query_tile && weights_tile_fits<T>(kt.query_tile, S);
   const bool grouped = !tiled && !a.weights;
   const int64_t heads = grouped ? Hk : Hq;
   const int64_t rows_per_head = grouped ? (Hq / Hk) * L : L;
-  const int64_t rows_per_task = tiled ? kt.query_tile : kQueryBlock;
+  const int64_t rows_per_task = tiled || weights_tiled ? kt.query_tile : kQueryBlock;
   const int64_t q_blocks = (rows_per_head + rows_per_task - 1) / rows_per_task;
   const int64_t chunks = grouped ? std::max<int64_t>(1, (S_read + kKeyChunk - 1) / kKeyChunk) : 1;
   const int64_t tasks = B * heads * q_blocks * chunks;
   const int64_t key_block = tile_key_block<T>(kt.query_tile, E, Ev);
   const size_t scratch_per_thread =
-      tiled ? tile_scratch_size<T>(kt.query_tile, E, Ev, key_block)
-            : a.weights ? size_t(kKeyBlock * (E + Ev)) : rows_scratch_size<T>(E, Ev);
+      tiled           ? tile_scratch_size<T>(kt.query_tile, E, Ev, key_block)
+      : weights_tiled ? weights_tile_scratch_size<T>(kt.query_tile, kt.vector_width, S, E, Ev,
+                                                     key_block)
+      : a.weights     ? size_t(kKeyBlock * (E + Ev))
+                      : rows_scratch_size<T>(E, Ev);
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
   T* scratch = calling_thread_scratch<T>(size_t(nthreads) * scratch_per_thread);
@@ -796,6 +932,8 @@ void sdpa_forward(const SdpaArgs<T>& a) {
     const int64_t r0 = qb * rows_per_task, r1 = std::min(rows_per_head, r0 + rows_per_task);
     if (tiled) {
       flash_tile(a, kt, b, h, r0, key_block, my_scratch);
+    } else if (weights_tiled) {
+      weights_tile(a, kt, b, h, r0, key_block, my_scratch);
     } else if (a.weights) {
       rows_with_weights(a, kt, b, h, r0, r1, my_scratch);
     } else if (chunks == 1) {
