@@ -191,10 +191,10 @@ def test_kdim_vdim(rng, kdim, vdim, in_bias, bias_kv, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
 def test_long_input_dims(rng, in_bias, dtype):
-    # Input dims longer than the projection's blocks of `in` (64 to 256 rows
-    # of a packed panel, by kernel), with a remainder, over enough rows to
+    # Input dims longer than the projection's blocks of `in` (1024 to 4096
+    # rows of a packed panel, by kernel), with a remainder, over enough rows to
     # take the packed-panel path; the same bits on any thread count.
-    args = mha_args(rng, L=40, S=33, N=2, E=264, H=3, kdim=300, vdim=520, separate=True,
+    args = mha_args(rng, L=40, S=33, N=2, E=264, H=3, kdim=1100, vdim=4100, separate=True,
                     in_bias=in_bias, dtype=dtype, need_weights=False)
     check(args)
     with num_threads(1):

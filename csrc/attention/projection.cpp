@@ -4,7 +4,7 @@
 //   (for at most NR rows, y^T = w . x^T instead, packing the small x^T)
 //   parallel for each (batch, block of rows, panel):
 //     y[rows, panel] = bias[panel]
-//     for each block of k_block rows of `in`:
+//     for each block of k_block rows of `in` (L2-sized):
 //       y[rows, panel] += x[rows, block] . panel[block]     (the kernel's gemm_wide)
 //
 // Packing makes each panel's rows contiguous, so the register-blocked gemm
@@ -21,9 +21,14 @@ namespace attnx {
 namespace {
 
 constexpr int64_t kRowBlock = 96;  // rows of x per task: a multiple of every MR
-// Bytes of a packed panel's block of rows that the gemm keeps in L1 (half
-// of the smallest L1 data cache of the CPUs served), and the fewest rows.
-constexpr int64_t kPanelBlockBytes = 16 * 1024;
+// Bytes of a packed panel's block of rows that the gemm keeps in L2 (half
+// of the smallest L2 of the CPUs served, 512 KiB), and the fewest rows.
+// Blocks sized for L1 (16 KiB) were 15% slower with AVX-512: its 64-wide
+// panel left each tile 64 values of a row of x, too short a stream for the
+// prefetcher (x 1024 x 768 times w^T, one Xeon core: 176 GFLOP/s; 188 in
+// blocks of 512 rows, 202 in one); AVX2 panels (16 wide) were as fast
+// either way.
+constexpr int64_t kPanelBlockBytes = 256 * 1024;
 constexpr int64_t kMinKBlock = 64;
 
 // The distance between consecutive rows (n, l) of v in row-major order when
@@ -92,7 +97,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
                });
 
   // The sum over `in` goes in blocks of k_block rows of a panel (about
-  // kPanelBlockBytes), so that the block stays in L1 while every row tile of
+  // kPanelBlockBytes), so that the block stays in L2 while every row tile of
   // the task streams past it; each block adds to what the one before stored.
   // The accumulators are T throughout, so the result is the same to the bit
   // as one pass over `in`.
