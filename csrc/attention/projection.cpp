@@ -74,7 +74,9 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
         for (int64_t i = 0; i < in; ++i) xt[i * nr + r] = xr[i];
       }
     }
-    kt.gemm(out, nr, in, w.data, w.row_stride, 1, xt, nr, yt, nr,
+    // Only the lanes that hold rows (whole vectors of them) are computed.
+    const int64_t lanes = (rows + kt.vector_width - 1) / kt.vector_width * kt.vector_width;
+    kt.gemm(out, lanes, in, w.data, w.row_stride, 1, xt, nr, yt, nr,
             bias ? GemmInit::kBiasRows : GemmInit::kZero, bias);
     if (y_direct) {
       kt.pack_transposed(yt, nr, out, rows, T(1), y.data, out);

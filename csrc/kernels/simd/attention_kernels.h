@@ -89,6 +89,12 @@ struct Kernels {
       return kFullWidth ? Vec::load(p + v * W)
                         : (len[v] ? Vec::load_partial(p + v * W, len[v]) : Vec::zero());
     };
+    // Every branch of step 1 sets every accumulator; GCC cannot see that
+    // through the portable vector's lane array in the one-vector tiles.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
     V acc[MR][NV];
     // Step 1: initialise the accumulators.
     if (init == GemmInit::kBiasColumns) {
@@ -148,6 +154,9 @@ struct Kernels {
           Vec::store_partial(cm + v * W, acc[m][v], len[v]);
       }
     }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
   }
 
   // The tile for the last `rows` < MR rows: recurse down to that count.
@@ -172,6 +181,17 @@ struct Kernels {
     for (int64_t n0 = 0; n0 < N; n0 += kWidth) {
       const int n = static_cast<int>(min64(kWidth, N - n0));
       const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
+      if constexpr (NV > 1) {
+        // A panel of at most one vector (a few queries, a head dim of 16):
+        // a tile one vector wide and NV times as tall holds as many
+        // accumulators and spends no multiply-adds on empty vectors. The
+        // sums go in the same order: the same bits.
+        if (n <= W) {
+          gemm_panels<MR * NV, 1>(M, n, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, init,
+                                  init_n);
+          continue;
+        }
+      }
       for (int64_t m0 = 0; m0 < M;) {
         // A last tile of fewer than MR / 2 rows has too few accumulators to
         // hide the multiply-add latency: the last MR + r rows then go as two
