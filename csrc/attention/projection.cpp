@@ -116,7 +116,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     const T* panel = packed.get() + p * in * wide;
     T* y_tile = y.at(n, l0) + p * wide;
     for (int64_t k0 = 0; k0 < in; k0 += k_block) {
-      const GemmInit init = k0 > 0 ? GemmInit::kAccumulate
+      const GemmInit init = k0 > 0 ? GemmInit::kAddSum
                             : bias ? GemmInit::kBiasColumns
                                    : GemmInit::kZero;
       kt.gemm_wide(rows, cols, std::min(k_block, in - k0), x.at(n, l0) + k0, x.stride[1], 1,

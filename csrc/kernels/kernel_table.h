@@ -15,7 +15,10 @@ enum class GemmInit {
   kAccumulate,  // C += A.B
   kScaleRows,   // C = diag(init) C + A.B     (init: M values)
   kBiasColumns, // C = 1 init^T + A.B         (init: N values)
-  kBiasRows     // C = init 1^T + A.B         (init: M values)
+  kBiasRows,    // C = init 1^T + A.B         (init: M values)
+  kAddSum       // C += A.B, with A.B summed from zero and then added to C (a
+                // sum over K in blocks: each block's rounding error grows
+                // with its own length, not with the whole sum's)
 };
 
 // Cache lines that a kernel requests one per step of its main loop, from
