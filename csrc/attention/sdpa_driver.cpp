@@ -578,6 +578,23 @@ LineRange next_tile_queries(const SdpaArgs<T>& a, int64_t qt, int64_t b, int64_t
                    a.query.shape[3]);
 }
 
+// The bands of a tile's rows (queries i0 .. i0 + rows - 1 of batch b) into
+// lo and hi, and whether each row is open before its masks are read: without
+// masks a row has an open key when its band holds one or keys are appended;
+// with masks, openness is found while closing. Returns whether there are masks.
+template <typename T>
+bool tile_bands(const SdpaArgs<T>& a, int64_t b, int64_t qlen, int64_t i0, int64_t rows,
+                int64_t* lo, int64_t* hi, bool* open) {
+  const bool has_masks = a.masks[0].present() || a.masks[1].present();
+  const int64_t klen = key_length(a, b), S = a.key.shape(2);
+  for (int64_t r = 0; r < rows; ++r) {
+    const Band band = band_of(a.range, qlen, klen, i0 + r);
+    lo[r] = band.lo, hi[r] = band.hi;
+    open[r] = !has_masks && (!band.empty() || S > a.mask_cols);
+  }
+  return has_masks;
+}
+
 template <typename T>
 void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h, int64_t i0,
                 int64_t key_block, T* scratch) {
@@ -610,16 +627,8 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
 
   // Each lane's band; the tile's keys are the union [lo[0], hi[rows - 1]).
   int64_t lo[kMaxTile], hi[kMaxTile];
-  const bool has_masks = a.masks[0].present() || a.masks[1].present();
-  // Without masks a query has an open key when its band holds one or keys
-  // are appended; with masks, openness is found while closing.
   bool open[kMaxTile];
-  const int64_t klen = key_length(a, b);
-  for (int64_t r = 0; r < rows; ++r) {
-    const Band band = band_of(a.range, qlen, klen, i0 + r);
-    lo[r] = band.lo, hi[r] = band.hi;
-    open[r] = !has_masks && (!band.empty() || S > a.mask_cols);
-  }
+  const bool has_masks = tile_bands(a, b, qlen, i0, rows, lo, hi, open);
   const int64_t keys_lo = lo[0], keys_hi = hi[rows - 1];
 
   // The query lanes computed: the tile's queries rounded up to whole vectors
@@ -788,14 +797,8 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
   T* w_rows = mask_scratch + 2 * key_block * qt;  // qt x S_lanes: the weights' rows
 
   int64_t lo[kMaxTile], hi[kMaxTile];
-  const bool has_masks = a.masks[0].present() || a.masks[1].present();
   bool open[kMaxTile];
-  const int64_t klen = key_length(a, b);
-  for (int64_t r = 0; r < rows; ++r) {
-    const Band band = band_of(a.range, qlen, klen, i0 + r);
-    lo[r] = band.lo, hi[r] = band.hi;
-    open[r] = !has_masks && (!band.empty() || S > a.mask_cols);
-  }
+  const bool has_masks = tile_bands(a, b, qlen, i0, rows, lo, hi, open);
   // Keys past the last band end (and not appended) are closed to every row:
   // not read, weight 0.
   const int64_t S_end = S > a.mask_cols ? S : std::min(S, hi[rows - 1]);
