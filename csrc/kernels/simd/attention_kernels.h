@@ -61,11 +61,9 @@ constexpr int kPanelVectors = 2;
 // into C: float32 rounding error grows with the length of a sum, and runs of
 // 128 make a projection over E = 768 about as accurate as BLAS (x 1024 x 768
 // times w^T: max error 5.1e-6 as one run, 1.1e-6 in runs, OpenBLAS 2.4e-6),
-// for a fold of the tile into C (in L1) every 128 steps.
-#ifndef ATTNX_SUM_RUN
-#define ATTNX_SUM_RUN 128
-#endif
-constexpr int64_t kSumRun = ATTNX_SUM_RUN;
+// for a fold of the tile into C (in L1) every 128 steps. gemm_panels
+// calls the tile once per run, so that the tile's code holds no fold.
+constexpr int64_t kSumRun = 128;
 
 // Local min/max: a std:: template instantiated here could be merged by the
 // linker with a copy compiled for another instruction set.
@@ -136,43 +134,20 @@ struct Kernels {
         }
       }
     }
-    // Step 2: rank-1 updates, one per k: broadcast A(m, k), multiply-add B row k,
-    // in runs of kSumRun k. After each run but the last, the run's sums are
-    // folded into C (stored by the first fold, added by the next) and the
-    // accumulators restart from zero.
-    bool c_holds_sum = init == GemmInit::kAddSum;  // whether C is to be added
-    for (int64_t k0 = 0;;) {
-      const int64_t k1 = min64(K, k0 + kSumRun);
+    // Step 2: rank-1 updates, one per k: broadcast A(m, k), multiply-add B row k.
 #pragma GCC unroll 4
-      for (int64_t k = k0; k < k1; ++k) {
-        const T* bk = b + k * ldb;
-        V bv[NV];
+    for (int64_t k = 0; k < K; ++k) {
+      const T* bk = b + k * ldb;
+      V bv[NV];
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
-        const T* ak = a + k * a_col;
-#pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) {
-          const V am = Vec::set1(ak[m * a_row]);
-#pragma GCC unroll 4
-          for (int v = 0; v < NV; ++v) acc[m][v] = Vec::fmadd(am, bv[v], acc[m][v]);
-        }
-      }
-      if (k1 >= K) break;
-      k0 = k1;
+      for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
+      const T* ak = a + k * a_col;
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        T* cm = c + m * ldc;
+        const V am = Vec::set1(ak[m * a_row]);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) {
-          const V sum = c_holds_sum ? Vec::add(load_row(cm, v), acc[m][v]) : acc[m][v];
-          if (kFullWidth)
-            Vec::store(cm + v * W, sum);
-          else if (len[v])
-            Vec::store_partial(cm + v * W, sum, len[v]);
-          acc[m][v] = Vec::zero();
-        }
+        for (int v = 0; v < NV; ++v) acc[m][v] = Vec::fmadd(am, bv[v], acc[m][v]);
       }
-      c_holds_sum = true;
     }
     // Step 3: store.
 #pragma GCC unroll 16
@@ -180,7 +155,7 @@ struct Kernels {
       T* cm = c + m * ldc;
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        if (c_holds_sum) acc[m][v] = Vec::add(load_row(cm, v), acc[m][v]);
+        if (init == GemmInit::kAddSum) acc[m][v] = Vec::add(load_row(cm, v), acc[m][v]);
         if (kFullWidth)
           Vec::store(cm + v * W, acc[m][v]);
         else if (len[v])
@@ -205,6 +180,37 @@ struct Kernels {
     gemm_tile<MR, NV, kFullWidth>(K, a, a_row, a_col, b, ldb, c, ldc, n, init, init_values);
   }
 
+  // One panel of C (n columns from c, B's from b, init_values offset to the
+  // panel's columns) MR rows at a time, each row tile over k in runs of
+  // kSumRun: the first run starts C as `init` says, each later one sums from
+  // zero and adds to C.
+  template <int MR, int NV, bool kFullWidth>
+  static void gemm_panel(int64_t M, int64_t K, const T* a, int64_t a_row, int64_t a_col,
+                         const T* b, int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
+                         const T* init_values) {
+    for (int64_t m0 = 0; m0 < M;) {
+      // A last tile of fewer than MR / 2 rows has too few accumulators to
+      // hide the multiply-add latency: the last MR + r rows then go as two
+      // tiles of about half that (32 rows, MR = 6: 6 6 6 6 4 4, not ... 6 2).
+      const int64_t left = M - m0;
+      int rows = static_cast<int>(min64(MR, left));
+      if (left > MR && left < MR + MR / 2) rows = static_cast<int>((left + 1) / 2);
+      const int64_t r0 = m0;
+      m0 += rows;
+      const T* init_m = init == GemmInit::kScaleRows || init == GemmInit::kBiasRows
+                            ? init_values + r0
+                            : init_values;
+      for (int64_t k0 = 0;;) {
+        const int64_t run = min64(kSumRun, K - k0);
+        gemm_rows<MR, NV, kFullWidth>(rows, run, a + r0 * a_row + k0 * a_col, a_row, a_col,
+                                      b + k0 * ldb, ldb, c + r0 * ldc, ldc, n,
+                                      k0 == 0 ? init : GemmInit::kAddSum, init_m);
+        k0 += run;
+        if (k0 >= K) break;
+      }
+    }
+  }
+
   // gemm over panels NV vectors wide, MR rows at a time.
   template <int MR, int NV>
   static void gemm_panels(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row,
@@ -214,34 +220,18 @@ struct Kernels {
     for (int64_t n0 = 0; n0 < N; n0 += kWidth) {
       const int n = static_cast<int>(min64(kWidth, N - n0));
       const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
-      if constexpr (NV > 1) {
-        // A panel of at most one vector (a few queries, a head dim of 16):
-        // a tile one vector wide and NV times as tall holds as many
-        // accumulators and spends no multiply-adds on empty vectors. The
-        // sums go in the same order: the same bits.
-        if (n <= W) {
-          gemm_panels<MR * NV, 1>(M, n, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, init,
+      if (n == kWidth) {
+        gemm_panel<MR, NV, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
+                                 init_n);
+      } else if (NV > 1 && n == W) {
+        // A panel of one vector (a few queries, a head dim of 16): a tile one
+        // vector wide spends no multiply-adds on the empty vectors. The sums
+        // go in the same order: the same bits.
+        gemm_panel<Vec::kGemmRows, 1, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n,
+                                            init, init_n);
+      } else {
+        gemm_panel<MR, NV, false>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
                                   init_n);
-          continue;
-        }
-      }
-      for (int64_t m0 = 0; m0 < M;) {
-        // A last tile of fewer than MR / 2 rows has too few accumulators to
-        // hide the multiply-add latency: the last MR + r rows then go as two
-        // tiles of about half that (32 rows, MR = 6: 6 6 6 6 4 4, not ... 6 2).
-        const int64_t left = M - m0;
-        int rows = static_cast<int>(min64(MR, left));
-        if (left > MR && left < MR + MR / 2) rows = static_cast<int>((left + 1) / 2);
-        const int64_t r0 = m0;
-        m0 += rows;
-        const T* init_m =
-            init == GemmInit::kScaleRows || init == GemmInit::kBiasRows ? init_values + r0 : init_n;
-        if (n == kWidth)
-          gemm_rows<MR, NV, true>(rows, K, a + r0 * a_row, a_row, a_col, b + n0, ldb,
-                                  c + r0 * ldc + n0, ldc, n, init, init_m);
-        else
-          gemm_rows<MR, NV, false>(rows, K, a + r0 * a_row, a_row, a_col, b + n0, ldb,
-                                   c + r0 * ldc + n0, ldc, n, init, init_m);
       }
     }
   }
