@@ -28,6 +28,7 @@ from conftest import (
     mha_args,
     mha_mask,
     num_threads,
+    output_atol,
     quiet_torch,
     randn,
     ref_mha,
@@ -39,17 +40,6 @@ mha = attnx.multi_head_attention_forward
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")
-
-
-def output_atol(args, ref_out, dtype):
-    """The absolute tolerance of a float32 output: its rounding error is a sum over the
-    embedding (the projections) and grows as sqrt(E) times the output's size, 3-5 units of
-    2^-24 * sqrt(E) * rms in attnx and torch alike; 1e-6 alone fails at E = 160 on some seeds."""
-    if np.dtype(dtype) != np.float32:
-        return None
-    E = args["embed_dim_to_check"]
-    rms = np.sqrt(np.mean(np.square(ref_out[np.isfinite(ref_out)]))) if ref_out.size else 0.0
-    return max(1e-6, 8 * 2.0**-24 * np.sqrt(E) * rms)
 
 
 def check(args, dtype=None):
