@@ -511,6 +511,21 @@ def non_finite_mask_on_padded_key(rng, value, L, dtype, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L,S", [(40, 100), (70, 70)])
+def test_nan_key_in_causal_band_fills_the_whole_weights_row(rng, L, S, dtype):
+    # A NaN key makes every later row's weights NaN, the keys past the causal
+    # band included (0 / NaN), as in torch and the reference; the weights are
+    # computed a tile of rows at a time over the keys up to the tile's band,
+    # and the rest of each row must follow its sum.
+    args = mha_args(rng, L=L, S=S, N=2, E=8, H=2, dtype=dtype, is_causal=True,
+                    average_attn_weights=False)
+    args["key"][5, 0] = np.nan
+    out, w = check(args)
+    assert np.isnan(w[0, :, 5:]).all() and np.isfinite(w[0, :, :5]).all()
+    assert np.isfinite(w[1]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
 @pytest.mark.parametrize("L", [5, 40], ids=["rows", "tiles"])
 @pytest.mark.parametrize("value", [np.inf, np.nan], ids=["inf", "nan"])

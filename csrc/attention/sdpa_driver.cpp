@@ -829,9 +829,13 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
   kt.pack_transposed(st, qt, S_end, rows, T(1), p, ldp);
   // (4) softmax over each row, as rows_with_weights: a fully masked row is
   // zero; one with open keys whose scores were all -inf (an Inf in the
-  // inputs) has sum 0 and gives 0/0 = NaN.
+  // inputs) has sum 0 and gives 0/0 = NaN. The keys past S_end (and within
+  // the batch's key length) are closed, weight 0 / sum: NaN where the sum is
+  // NaN (a NaN score) or 0, as in rows_with_weights; past the key length, 0.
+  T closed_weight[kMaxTile];
   for (int64_t r = 0; r < rows; ++r) {
     T* pr = p + r * ldp;
+    closed_weight[r] = T(0);
     if (!open[r] || S_end == 0) {
       std::fill(pr, pr + S_end, T(0));
       continue;
@@ -840,10 +844,13 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
     for (int64_t j = 0; j < S_end; ++j) row_max = max_ignoring_nan(row_max, pr[j]);
     const T sum = kt.exp_shift_sum(pr, S_end, exp_shift(row_max));
     kt.scale(pr, S_end, T(1) / sum, pr);
+    closed_weight[r] = T(0) / sum;
   }
+  const int64_t closed_end = std::clamp<int64_t>(key_length(a, b), S_end, S);
   for (int64_t r = 0; r < rows; ++r) {
     if (!direct) std::copy_n(w_rows + r * S_lanes, S_end, weights_row(r));
-    std::fill(weights_row(r) + S_end, weights_row(r) + S, T(0));
+    std::fill(weights_row(r) + S_end, weights_row(r) + closed_end, closed_weight[r]);
+    std::fill(weights_row(r) + closed_end, weights_row(r) + S, T(0));
   }
 
   // (5) the output: the probabilities times the values
