@@ -71,6 +71,19 @@ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int imin(int a, int b) { return a < b ? a : b; }
 inline int imax(int a, int b) { return a > b ? a : b; }
 
+// Whether gemm's A has unit row stride (a_row == 1), known when the tile is
+// compiled: its broadcasts then address A from one pointer at constant
+// offsets m, where two runtime strides take more address registers than
+// x86-64 has and the k loop spills its counters. That is the flash tile's
+// P.V, whose A is the probabilities, a column of queries per key: alone, one
+// AVX-512 core, 193 -> 212 GFLOP/s; in the attention, 1-2% less time (B8 L128
+// and L1024, median of 8 interleaved runs). (Row-major tiles for the scores,
+// a_col == 1, were as fast alone and slower in the attention.)
+enum class ALayout {
+  kStrided,     // A(m, k) = a[m * a_row + k * a_col]
+  kColumnMajor  // a_row == 1
+};
+
 template <class Vec>
 struct Kernels {
   using T = typename Vec::T;
@@ -84,8 +97,9 @@ struct Kernels {
   // ---- gemm -------------------------------------------------------------
   // One MR x (NV * W) register tile: C tile = init + A(MR rows) . B(K x NV*W).
   // The accumulators are plain locals, never address-taken, so that they
-  // stay in registers through the k loop.
-  template <int MR, int NV, bool kFullWidth>
+  // stay in registers through the k loop. kA says whether A's row stride is
+  // 1 (see ALayout).
+  template <int MR, int NV, bool kFullWidth, ALayout kA = ALayout::kStrided>
   static void gemm_tile(int64_t K, const T* a, int64_t a_row, int64_t a_col, const T* b,
                         int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
                         const T* init_values) {
@@ -144,7 +158,7 @@ struct Kernels {
       const T* ak = a + k * a_col;
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        const V am = Vec::set1(ak[m * a_row]);
+        const V am = Vec::set1(ak[m * (kA == ALayout::kColumnMajor ? 1 : a_row)]);
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[m][v] = Vec::fmadd(am, bv[v], acc[m][v]);
       }
@@ -184,7 +198,9 @@ struct Kernels {
   // panel's columns) MR rows at a time, each row tile over k in runs of
   // kSumRun: the first run starts C as `init` says, each later one sums from
   // zero and adds to C.
-  template <int MR, int NV, bool kFullWidth>
+  // Tiles of MR rows take the layout kA; the last, shorter ones the general
+  // tile.
+  template <int MR, int NV, bool kFullWidth, ALayout kA = ALayout::kStrided>
   static void gemm_panel(int64_t M, int64_t K, const T* a, int64_t a_row, int64_t a_col,
                          const T* b, int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
                          const T* init_values) {
@@ -202,9 +218,14 @@ struct Kernels {
                             : init_values;
       for (int64_t k0 = 0;;) {
         const int64_t run = min64(kSumRun, K - k0);
-        gemm_rows<MR, NV, kFullWidth>(rows, run, a + r0 * a_row + k0 * a_col, a_row, a_col,
-                                      b + k0 * ldb, ldb, c + r0 * ldc, ldc, n,
-                                      k0 == 0 ? init : GemmInit::kAddSum, init_m);
+        const T* a_tile = a + r0 * a_row + k0 * a_col;
+        const GemmInit run_init = k0 == 0 ? init : GemmInit::kAddSum;
+        if (kA != ALayout::kStrided && rows == MR)
+          gemm_tile<MR, NV, kFullWidth, kA>(run, a_tile, a_row, a_col, b + k0 * ldb, ldb,
+                                            c + r0 * ldc, ldc, n, run_init, init_m);
+        else
+          gemm_rows<MR, NV, kFullWidth>(rows, run, a_tile, a_row, a_col, b + k0 * ldb, ldb,
+                                        c + r0 * ldc, ldc, n, run_init, init_m);
         k0 += run;
         if (k0 >= K) break;
       }
@@ -221,6 +242,15 @@ struct Kernels {
       const int n = static_cast<int>(min64(kWidth, N - n0));
       const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
       if (n == kWidth) {
+        // gemm's own tile (not gemm_wide's) on a column-major A: the flash
+        // tile's P.V.
+        if constexpr (Vec::kColumnMajorTile && MR == Vec::kGemmRows && NV == kPanelVectors) {
+          if (a_row == 1) {
+            gemm_panel<MR, NV, true, ALayout::kColumnMajor>(M, K, a, a_row, a_col, b + n0, ldb,
+                                                            c + n0, ldc, n, init, init_n);
+            continue;
+          }
+        }
         gemm_panel<MR, NV, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
                                  init_n);
       } else if (NV > 1 && n == W) {
