@@ -208,6 +208,38 @@ def test_separate_weights_equal_packed(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
+@pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
+@pytest.mark.parametrize("layout", ["seq_first", "batch_first", "unbatched"])
+@pytest.mark.parametrize("L,N", [(5, 2), (16, 1), (32, 1), (33, 1), (40, 3)])
+def test_self_attention_equals_copied_inputs(rng, L, N, layout, in_bias, need_weights, dtype):
+    # Self-attention (one array as query, key and value, with torch's stacked
+    # in_proj_weight) may project the three at once; it must give the same
+    # numbers, to the bit, as the same values passed as three arrays.
+    args = mha_args(rng, L=L, S=L, N=N, E=16, H=4, dtype=dtype, in_bias=in_bias,
+                    batch_first=layout == "batch_first", unbatched=layout == "unbatched",
+                    need_weights=need_weights)
+    x = args["query"]
+    self_args = {**args, "key": x, "value": x}
+    copied = {**args, "key": x.copy(), "value": x.copy()}
+    out, w = check(self_args)
+    out_copied, w_copied = mha(**copied)
+    assert_identical(out, out_copied)
+    if need_weights:
+        assert_identical(w, w_copied)
+    # The module's own path too, causal and not.
+    module = attnx.MultiheadAttention(16, 4, bias=in_bias, batch_first=layout == "batch_first",
+                                      dtype=dtype)
+    module.in_proj_weight[...] = args["in_proj_weight"]
+    for is_causal in (False, True):
+        a = module(x, x, x, need_weights=need_weights, is_causal=is_causal)
+        b = module(x, x.copy(), x.copy(), need_weights=need_weights, is_causal=is_causal)
+        for got, want in zip(a, b):
+            if want is not None:
+                assert_identical(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("out_bias", [False, True], ids=["no_out_bias", "out_bias"])
 @pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
 def test_optional_biases(rng, in_bias, out_bias, dtype):

@@ -75,14 +75,51 @@ StridedView<const T, 4> build_keys(const StridedView<const T, 3>& input,
   return view;
 }
 
-// A (N, L, E) contiguous buffer seen as (N, H, L, hd).
+// Columns [offset, offset + E) of a contiguous (N, L, row) buffer seen as
+// (N, H, L, hd).
 template <typename U>
-StridedView<U, 4> heads_view(U* data, int64_t N, int64_t L, int64_t E, int64_t H) {
+StridedView<U, 4> heads_view(U* data, int64_t N, int64_t L, int64_t E, int64_t H,
+                             int64_t row = 0, int64_t offset = 0) {
+  if (row == 0) row = E;
   StridedView<U, 4> v;
-  v.data = data;
+  v.data = data + offset;
   v.shape[0] = N, v.shape[1] = H, v.shape[2] = L, v.shape[3] = E / H;
-  v.stride[0] = L * E, v.stride[1] = E / H, v.stride[2] = E, v.stride[3] = 1;
+  v.stride[0] = L * row, v.stride[1] = E / H, v.stride[2] = row, v.stride[3] = 1;
   return v;
+}
+
+template <typename T, int Rank>
+bool same_view(const StridedView<T, Rank>& a, const StridedView<T, Rank>& b) {
+  if (a.data != b.data || a.batch_offsets || b.batch_offsets) return false;
+  for (int d = 0; d < Rank; ++d)
+    if (a.shape[d] != b.shape[d] || a.stride[d] != b.stride[d]) return false;
+  return true;
+}
+
+// Whether the three input projections run as one over [w_q; w_k; w_v]:
+// self-attention (query, key and value the same array) with the weights,
+// and the biases if any, stacked in memory as in torch's in_proj_weight,
+// nothing appended to or replacing the keys, and rows few enough that each
+// projection copies the input: one call then makes one copy instead of three
+// and allocates once (MHA B1 L16 E64 H4, one thread: 7.4 -> 7.0 us). The
+// numbers are the same: each output is the same sum in the same order. (With
+// more rows the projection was no faster as one, and the attention, reading
+// q, k and v from rows of 3E, 3% slower: B8 L128 E768.)
+template <typename T>
+bool stacked_self_projection(const MhaArgs<T>& a) {
+  const int64_t E = a.w_q.rows;
+  if (!linear_copies_input<T>(a.query.shape[0] * a.query.shape[1])) return false;
+  const bool plain_keys = !a.static_k.present() && !a.static_v.present() && !a.bias_k &&
+                          !a.bias_v && !a.add_zero_attn;
+  const bool self = same_view(a.key, a.query) && same_view(a.value, a.query);
+  const RowMajorView<const T>& q = a.w_q;
+  const bool weights = a.w_k.rows == E && a.w_v.rows == E && a.w_k.cols == q.cols &&
+                       a.w_v.cols == q.cols && a.w_k.row_stride == q.row_stride &&
+                       a.w_v.row_stride == q.row_stride && a.w_k.data == q.row(E) &&
+                       a.w_v.data == q.row(2 * E);
+  const bool biases = (!a.b_q && !a.b_k && !a.b_v) ||
+                      (a.b_q && a.b_k == a.b_q + E && a.b_v == a.b_q + 2 * E);
+  return plain_keys && self && weights && biases;
 }
 
 template <typename T>
@@ -103,18 +140,33 @@ void mha_forward(const MhaArgs<T>& a) {
 
   // Input projections. (Buffers the projections overwrite wholly are left
   // uninitialised: zero-filling them would cost a pass over memory.)
-  Buffer<T> q_storage(size_t(N * L * E));
-  StridedView<T, 3> q_proj;
-  q_proj.data = q_storage.data();
-  q_proj.shape[0] = N, q_proj.shape[1] = L, q_proj.shape[2] = E;
-  q_proj.stride[0] = L * E, q_proj.stride[1] = E, q_proj.stride[2] = 1;
-  linear_forward(a.query, a.w_q, a.b_q, q_proj);
-
-  Buffer<T> k_storage, v_storage;
-  const StridedView<const T, 4> keys =
-      build_keys(a.key, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage);
-  const StridedView<const T, 4> values =
-      build_keys(a.value, a.w_v, a.b_v, a.bias_v, a.add_zero_attn, a.static_v, H, v_storage);
+  Buffer<T> q_storage, k_storage, v_storage;
+  StridedView<const T, 4> queries, keys, values;
+  if (stacked_self_projection(a)) {
+    // (N, L, 3E): q, k and v side by side in each row.
+    q_storage = Buffer<T>(size_t(N * L * 3 * E));
+    StridedView<T, 3> qkv;
+    qkv.data = q_storage.data();
+    qkv.shape[0] = N, qkv.shape[1] = L, qkv.shape[2] = 3 * E;
+    qkv.stride[0] = L * 3 * E, qkv.stride[1] = 3 * E, qkv.stride[2] = 1;
+    RowMajorView<const T> w_qkv = a.w_q;
+    w_qkv.rows = 3 * E;
+    linear_forward(a.query, w_qkv, a.b_q, qkv);
+    queries = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 0);
+    keys = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, E);
+    values = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 2 * E);
+  } else {
+    q_storage = Buffer<T>(size_t(N * L * E));
+    StridedView<T, 3> q_proj;
+    q_proj.data = q_storage.data();
+    q_proj.shape[0] = N, q_proj.shape[1] = L, q_proj.shape[2] = E;
+    q_proj.stride[0] = L * E, q_proj.stride[1] = E, q_proj.stride[2] = 1;
+    linear_forward(a.query, a.w_q, a.b_q, q_proj);
+    queries = heads_view<const T>(q_storage.data(), N, L, E, H);
+    keys = build_keys(a.key, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage);
+    values =
+        build_keys(a.value, a.w_v, a.b_v, a.bias_v, a.add_zero_attn, a.static_v, H, v_storage);
+  }
   const int64_t S_src = a.static_k.present() ? a.static_k.shape[2] : a.key.shape[1];
   const int64_t Sp = keys.shape[2];
 
@@ -122,7 +174,7 @@ void mha_forward(const MhaArgs<T>& a) {
   Buffer<T> attn_storage(size_t(N * L * E));
   Buffer<T> per_head_weights;
   SdpaArgs<T> sdpa;
-  sdpa.query = heads_view<const T>(q_storage.data(), N, L, E, H);
+  sdpa.query = queries;
   sdpa.key = StoredView<T>::of(keys);
   sdpa.value = StoredView<T>::of(values);
   for (int m = 0; m < kMaxMasks; ++m) sdpa.masks[m] = a.masks[m];

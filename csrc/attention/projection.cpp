@@ -45,13 +45,18 @@ int64_t even_row_spacing(const StridedView<U, 3>& v) {
 }  // namespace
 
 template <typename T>
+bool linear_copies_input(int64_t rows) {
+  return rows <= active_kernels(T()).panel_width;
+}
+
+template <typename T>
 void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T>& w,
                     const T* bias, const StridedView<T, 3>& y) {
   const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], out = w.rows;
   if (N == 0 || L == 0 || out == 0) return;
   const KernelTable<T>& kt = active_kernels(T());
   const int64_t nr = kt.panel_width;
-  if (N * L <= nr) {
+  if (linear_copies_input<T>(N * L)) {
     // Few rows: y^T = w . x^T, packing the small x^T (in x nr) rather than w,
     // then transposing the small result back. Both transposes go W x W
     // blocks at a time in registers (pack_transposed) where the rows are
@@ -126,6 +131,8 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   });
 }
 
+template bool linear_copies_input<float>(int64_t);
+template bool linear_copies_input<double>(int64_t);
 template void linear_forward<float>(const StridedView<const float, 3>&,
                                     const RowMajorView<const float>&, const float*,
                                     const StridedView<float, 3>&);
