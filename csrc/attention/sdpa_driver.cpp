@@ -935,6 +935,10 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   const int64_t state_size = Ev + 3;
   std::vector<T> states(chunks > 1 ? size_t(B * Hq * L * chunks * state_size) : 0);
 
+  // A head's tasks go to one thread together where there are heads enough
+  // to share out: its keys and values are then read into one core's cache,
+  // not into each core's.
+  const int64_t grain = B * heads >= 4 * nthreads ? q_blocks * chunks : 1;
   parallel_for(tasks, nthreads, Schedule::kDynamic, [&](int64_t t) {
     T* my_scratch = scratch + current_thread() * scratch_per_thread;
     const int64_t c = t % chunks, qb = (t / chunks) % q_blocks, bh = t / (chunks * q_blocks);
@@ -952,7 +956,7 @@ void sdpa_forward(const SdpaArgs<T>& a) {
       const int64_t j_begin = c * kKeyChunk, j_end = std::min(S_read, j_begin + kKeyChunk);
       flash_rows(a, kt, b, h, r0, r1, j_begin, j_end, my_scratch, states.data(), chunks, c);
     }
-  });
+  }, grain);
   if (chunks > 1) {
     parallel_for(B * Hq * L, nthreads, Schedule::kStatic, [&](int64_t row) {
       const int64_t bh = row / L, i = row % L;
