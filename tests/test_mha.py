@@ -240,6 +240,21 @@ def test_self_attention_equals_copied_inputs(rng, L, N, layout, in_bias, need_we
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+def test_self_attention_on_strided_views(rng, batch_first, dtype):
+    # The same on views whose rows are not evenly spaced, or not in order.
+    module = attnx.MultiheadAttention(16, 4, batch_first=batch_first, dtype=dtype)
+    module.in_proj_bias[...] = randn(rng, (48,), dtype)
+    big = randn(rng, (3, 10, 32), dtype)
+    for x in (big[:, ::2, :16], big[::2, 1::3, 16:], big.transpose(1, 0, 2)[::3, :, :16]):
+        out, w = module(x, x, x)
+        contiguous = np.ascontiguousarray(x)
+        out_copied, w_copied = module(contiguous, contiguous.copy(), contiguous.copy())
+        assert_identical(out, out_copied)
+        assert_identical(w, w_copied)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("out_bias", [False, True], ids=["no_out_bias", "out_bias"])
 @pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
 def test_optional_biases(rng, in_bias, out_bias, dtype):
