@@ -829,6 +829,15 @@ def fuzz_core_mha_plan(p: Provider, dtype):
                   bias_v=values(p, (E,), dtype) if bias_kv else None, add_zero_attn=p.bool(0.3),
                   w_out=values(p, (E, E), dtype), b_out=values(p, (E,), dtype) if p.bool() else None,
                   batch_first=p.bool())
+    # torch's layout: the three weights (and biases) stacked in one array, which
+    # self-attention may project in one call.
+    stacked = kdim == E and vdim == E and p.bool()
+    if stacked:
+        w = values(p, (3 * E, E), dtype)
+        params.update(w_q=w[:E], w_k=w[E : 2 * E], w_v=w[2 * E :])
+        if params["b_q"] is not None:
+            b = values(p, (3 * E,), dtype)
+            params.update(b_q=b[:E], b_k=b[E : 2 * E], b_v=b[2 * E :])
     if p.bool(0.3):
         name = p.choice(list(params))
         if name in ("num_heads", "add_zero_attn", "batch_first"):
@@ -845,6 +854,9 @@ def fuzz_core_mha_plan(p: Provider, dtype):
         return values(p, (N, length, dim) if batch_first else (length, N, dim), dtype)
 
     args = [seq(L, E), seq(S, kdim), seq(S, vdim)]
+    self_attention = stacked and p.bool()
+    if self_attention:
+        args[1] = args[2] = args[0]
     flags = [p.choice([True, False]), p.choice([True, False]), p.bool(), p.bool()]
     n_mut = p.choice([0, 0, 1, 2])
     for _ in range(n_mut):
@@ -864,7 +876,11 @@ def fuzz_core_mha_plan(p: Provider, dtype):
     out, weights = got
     # Perhaps replaced above by another value the plan accepted (True: 1 head).
     heads = operator.index(params["num_heads"])
+    # (Self-attention's key and value as copies: _core.mha then projects them
+    # apart, which must give the same bits.)
     q, k, v = (np.asarray(x) if batch_first else np.asarray(x).transpose(1, 0, 2) for x in args)
+    if self_attention:
+        k, v = k.copy(), v.copy()
     Sp = k.shape[1] + (params["bias_k"] is not None) + bool(params["add_zero_attn"])
     expected_out = np.empty((q.shape[0], q.shape[1], E), q.dtype)
     expected_weights = None
@@ -882,6 +898,8 @@ def fuzz_core_mha_plan(p: Provider, dtype):
             weights is not None and not np.array_equal(weights, expected_weights, equal_nan=True)):
         raise Disallowed("_core.MhaPlan(): weights differ from _core.mha's")
     OUTCOMES["_core.MhaPlan(): result checked"] += 1
+    if self_attention:
+        OUTCOMES["_core.MhaPlan(): self-attention checked"] += 1
 
 
 def fuzz_cache(p: Provider):
