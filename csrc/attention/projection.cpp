@@ -1,7 +1,8 @@
 // The projections of multi-head attention: y = x . w^T + bias.
 //
 //   pack w^T in panels as wide as gemm_wide's tile   (in x wide each, zero-padded)
-//   (for at most NR rows, y^T = w . x^T instead, packing the small x^T)
+//   (for at most NR rows, y^T = w . x^T instead, packing the small x^T: the
+//   steps transpose_input, linear_transposed, transpose_output)
 //   parallel for each (batch, block of rows, panel):
 //     y[rows, panel] = bias[panel]
 //     for each block of k_block rows of `in` (L2-sized):
@@ -50,46 +51,68 @@ bool linear_copies_input(int64_t rows) {
 }
 
 template <typename T>
+int64_t transposed_lanes(int64_t rows) {
+  const int64_t w = active_kernels(T()).vector_width;
+  return (rows + w - 1) / w * w;
+}
+
+template <typename T>
+void transpose_input(const StridedView<const T, 3>& x, int64_t lanes, T* xt) {
+  const KernelTable<T>& kt = active_kernels(T());
+  const int64_t L = x.shape[1], rows = x.shape[0] * L, in = x.shape[2];
+  const int64_t spacing = even_row_spacing(x);
+  if (spacing >= 0) {
+    // W x W blocks at a time in registers.
+    kt.pack_transposed(x.data, spacing, rows, in, T(1), xt, lanes);
+    return;
+  }
+  std::fill_n(xt, in * lanes, T(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x.at(r / L, r % L);
+    for (int64_t i = 0; i < in; ++i) xt[i * lanes + r] = xr[i];
+  }
+}
+
+template <typename T>
+void linear_transposed(const RowMajorView<const T>& w, const T* bias, const T* xt, int64_t lanes,
+                       T* yt) {
+  // The bias starts each row of y^T.
+  active_kernels(T()).gemm(w.rows, lanes, w.cols, w.data, w.row_stride, 1, xt, lanes, yt, lanes,
+                           bias ? GemmInit::kBiasRows : GemmInit::kZero, bias);
+}
+
+template <typename T>
+void transpose_output(const T* yt, int64_t lanes, const StridedView<T, 3>& y) {
+  const KernelTable<T>& kt = active_kernels(T());
+  const int64_t L = y.shape[1], rows = y.shape[0] * L, out = y.shape[2];
+  if (out % kt.vector_width == 0 && (rows == 1 || even_row_spacing(y) == out)) {
+    // Rows of whole vectors laid end to end: straight into y.
+    kt.pack_transposed(yt, lanes, out, rows, T(1), y.data, out);
+    return;
+  }
+  const int64_t out_lanes = transposed_lanes<T>(out);
+  std::unique_ptr<T[]> y_rows(new T[size_t(rows * out_lanes)]);
+  kt.pack_transposed(yt, lanes, out, rows, T(1), y_rows.get(), out_lanes);
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(y_rows.get() + r * out_lanes, out, y.at(r / L, r % L));
+}
+
+template <typename T>
 void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T>& w,
                     const T* bias, const StridedView<T, 3>& y) {
   const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], out = w.rows;
   if (N == 0 || L == 0 || out == 0) return;
   const KernelTable<T>& kt = active_kernels(T());
-  const int64_t nr = kt.panel_width;
   if (linear_copies_input<T>(N * L)) {
-    // Few rows: y^T = w . x^T, packing the small x^T (in x nr) rather than w,
-    // then transposing the small result back. Both transposes go W x W
-    // blocks at a time in registers (pack_transposed) where the rows are
-    // evenly spaced; the result goes straight into y when its rows are
-    // whole vectors laid end to end. The bias starts each row of y^T.
-    const int64_t rows = N * L;
-    const int64_t x_spacing = even_row_spacing(x), y_spacing = even_row_spacing(y);
-    const bool y_direct = out % kt.vector_width == 0 && (rows == 1 || y_spacing == out);
-    const int64_t out_lanes = (out + nr - 1) / nr * nr;
-    std::unique_ptr<T[]> scratch(
-        new T[size_t(in * nr + out * nr + (y_direct ? 0 : rows * out_lanes))]);
+    // Few rows: y^T = w . x^T, packing the small x^T (in x lanes) rather
+    // than w, then transposing the small result back.
+    const int64_t lanes = transposed_lanes<T>(N * L);
+    std::unique_ptr<T[]> scratch(new T[size_t((in + out) * lanes)]);
     T* xt = scratch.get();
-    T* yt = xt + in * nr;
-    if (x_spacing >= 0) {
-      kt.pack_transposed(x.data, x_spacing, rows, in, T(1), xt, nr);
-    } else {
-      std::fill_n(xt, in * nr, T(0));
-      for (int64_t r = 0; r < rows; ++r) {
-        const T* xr = x.at(r / L, r % L);
-        for (int64_t i = 0; i < in; ++i) xt[i * nr + r] = xr[i];
-      }
-    }
-    // Only the lanes that hold rows (whole vectors of them) are computed.
-    const int64_t lanes = (rows + kt.vector_width - 1) / kt.vector_width * kt.vector_width;
-    kt.gemm(out, lanes, in, w.data, w.row_stride, 1, xt, nr, yt, nr,
-            bias ? GemmInit::kBiasRows : GemmInit::kZero, bias);
-    if (y_direct) {
-      kt.pack_transposed(yt, nr, out, rows, T(1), y.data, out);
-      return;
-    }
-    T* y_rows = yt + out * nr;  // rows x out_lanes
-    kt.pack_transposed(yt, nr, out, rows, T(1), y_rows, out_lanes);
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(y_rows + r * out_lanes, out, y.at(r / L, r % L));
+    T* yt = xt + in * lanes;
+    transpose_input(x, lanes, xt);
+    linear_transposed(w, bias, xt, lanes, yt);
+    transpose_output(yt, lanes, y);
     return;
   }
   // Many rows: panels as wide as gemm_wide's register tile, packed from w by
@@ -133,6 +156,16 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
 
 template bool linear_copies_input<float>(int64_t);
 template bool linear_copies_input<double>(int64_t);
+template int64_t transposed_lanes<float>(int64_t);
+template int64_t transposed_lanes<double>(int64_t);
+template void transpose_input<float>(const StridedView<const float, 3>&, int64_t, float*);
+template void transpose_input<double>(const StridedView<const double, 3>&, int64_t, double*);
+template void linear_transposed<float>(const RowMajorView<const float>&, const float*,
+                                       const float*, int64_t, float*);
+template void linear_transposed<double>(const RowMajorView<const double>&, const double*,
+                                        const double*, int64_t, double*);
+template void transpose_output<float>(const float*, int64_t, const StridedView<float, 3>&);
+template void transpose_output<double>(const double*, int64_t, const StridedView<double, 3>&);
 template void linear_forward<float>(const StridedView<const float, 3>&,
                                     const RowMajorView<const float>&, const float*,
                                     const StridedView<float, 3>&);

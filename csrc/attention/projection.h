@@ -17,4 +17,21 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
 template <typename T>
 bool linear_copies_input(int64_t rows);
 
+// The steps of linear_forward for such few rows, for a caller that keeps the
+// rows transposed from one layer to the next: the N * L rows of x are the
+// lanes of x^T, `lanes` of them (transposed_lanes: N * L rounded up to whole
+// vectors), row r = n * L + l.
+template <typename T>
+int64_t transposed_lanes(int64_t rows);
+// xt (in x lanes) = x^T; lanes past the rows are 0.
+template <typename T>
+void transpose_input(const StridedView<const T, 3>& x, int64_t lanes, T* xt);
+// yt (w.rows x lanes) = w . xt + bias 1^T (xt: w.cols x lanes; bias optional).
+template <typename T>
+void linear_transposed(const RowMajorView<const T>& w, const T* bias, const T* xt, int64_t lanes,
+                       T* yt);
+// y (N, L, out) = the first N * L lanes of yt (out x lanes), transposed.
+template <typename T>
+void transpose_output(const T* yt, int64_t lanes, const StridedView<T, 3>& y);
+
 }  // namespace attnx
