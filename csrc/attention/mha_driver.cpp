@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "attention/projection.h"
+#include "attention/self_attention_few_rows.h"
 #include "attnx/attention.h"
 
 namespace attnx {
@@ -142,7 +143,9 @@ void mha_forward(const MhaArgs<T>& a) {
   // uninitialised: zero-filling them would cost a pass over memory.)
   Buffer<T> q_storage, k_storage, v_storage;
   StridedView<const T, 4> queries, keys, values;
-  if (stacked_self_projection(a)) {
+  const bool stacked = stacked_self_projection(a);
+  if (stacked && self_attention_few_rows(a)) return;
+  if (stacked) {
     // (N, L, 3E): q, k and v side by side in each row.
     q_storage = Buffer<T>(size_t(N * L * 3 * E));
     StridedView<T, 3> qkv;
