@@ -83,10 +83,7 @@ bool self_attention_few_rows(const MhaArgs<T>& a) {
       kt.gemm(hd, L_lanes, L, v_h, lanes, 1, st, qt, o_h, lanes, GemmInit::kZero, nullptr);
       // Every query has open keys: out = O / l, as 1 / l times O.
       for (int64_t q = 0; q < L_lanes; ++q) alpha[q] = T(1) / l[q];
-      for (int64_t d = 0; d < hd; ++d) {
-        T* row = o_h + d * lanes;
-        for (int64_t q = 0; q < L_lanes; ++q) row[q] *= alpha[q];
-      }
+      kt.scale_columns(o_h, hd, lanes, L_lanes, alpha);
     }
   }
 

@@ -89,6 +89,9 @@ struct KernelTable {
   T (*exp_shift_sum)(T* x, int64_t n, T shift);
   // y[j] = alpha * x[j]; y may be x.
   void (*scale)(const T* x, int64_t n, T alpha, T* y);
+  // x[r * ld + j] *= factors[j] for r < rows, j < cols (a multiple of the
+  // vector width): a factor per column, as scale's per row.
+  void (*scale_columns)(T* x, int64_t rows, int64_t ld, int64_t cols, const T* factors);
   // Whether x[0..n) holds no NaN or infinity.
   bool (*all_finite)(const T* x, int64_t n);
   // dst[c * lanes + r] = scale * src[r * ld + c] for r < rows, c < cols, and

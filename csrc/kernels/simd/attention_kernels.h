@@ -530,6 +530,16 @@ struct Kernels {
     }
   }
 
+  static void scale_columns(T* x, int64_t rows, int64_t ld, int64_t cols, const T* factors) {
+    for (int64_t j = 0; j < cols; j += W) {
+      const V f = Vec::load(factors + j);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* xr = x + r * ld + j;
+        Vec::store(xr, Vec::mul(Vec::load(xr), f));
+      }
+    }
+  }
+
   // dst[c * lanes + r] = scale * src[r * ld + c] for r < rows, c < cols, and
   // 0 for rows <= r < lanes (a multiple of W): W x W blocks transposed in
   // registers.
@@ -623,7 +633,7 @@ struct Kernels {
   static KernelTable<T> table(const char* name, Isa isa) {
     KernelTable<T> t{name,   isa,  W,      QT,     NR, kWideWidth,
                      gemm,   softmax_tile, add_mask_sums, scores, accumulate_pv,
-                     exp_shift_sum, scale,        all_finite,
+                     exp_shift_sum, scale,        scale_columns, all_finite,
                      pack_transposed, gemm_wide, fma_probe, nullptr, nullptr,
                      {nullptr, nullptr}, {nullptr, nullptr}};
     if constexpr (Vec::kWidens16) {
