@@ -302,21 +302,43 @@ struct Kernels {
   template <int NV>
   static void softmax_lanes(T* s, int64_t rows, int lane0, T* m, T* l, T* alpha,
                             const LineRequests* ahead) {
-    // Step 1: the new running max of each query (NaN scores ignored).
-    V block_max[NV];
+    // Step 1: the new running max of each query (NaN scores ignored), in
+    // kMaxChains independent chains of rows, merged at the end: one chain
+    // would wait a max's latency per row, and nothing else can run until
+    // the max is known. The maximum is the same in any order (up to the sign
+    // of a zero maximum, which no exp below can see).
+    constexpr int kMaxChains = 4;
+    V block_max[kMaxChains][NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) block_max[v] = Vec::set1(kNegInf);
-    for (int64_t j = 0; j < rows; ++j) {
+    for (int c = 0; c < kMaxChains; ++c)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) block_max[c][v] = Vec::set1(kNegInf);
+    int64_t j = 0;
+    for (; j + kMaxChains <= rows; j += kMaxChains) {
+#pragma GCC unroll 4
+      for (int c = 0; c < kMaxChains; ++c) {
+        const T* sj = s + (j + c) * QT + lane0;
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+          block_max[c][v] = Vec::max_ignoring_nan(block_max[c][v], Vec::load(sj + v * W));
+      }
+    }
+    for (; j < rows; ++j) {
       const T* sj = s + j * QT + lane0;
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v)
-        block_max[v] = Vec::max_ignoring_nan(block_max[v], Vec::load(sj + v * W));
+        block_max[0][v] = Vec::max_ignoring_nan(block_max[0][v], Vec::load(sj + v * W));
     }
+#pragma GCC unroll 4
+    for (int c = 1; c < kMaxChains; ++c)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v)
+        block_max[0][v] = Vec::max_ignoring_nan(block_max[0][v], block_max[c][v]);
     V m_old[NV], shift[NV], sum[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       m_old[v] = Vec::load(m + lane0 + v * W);
-      const V m_new = Vec::max_ignoring_nan(m_old[v], block_max[v]);
+      const V m_new = Vec::max_ignoring_nan(m_old[v], block_max[0][v]);
       Vec::store(m + lane0 + v * W, m_new);
       // 0 replaces a -inf max.
       shift[v] = Vec::exp_shift(m_new);
