@@ -136,7 +136,7 @@ PROJECTION_ACCURACY = textwrap.dedent(
     import attnx
     from attnx import _core
     worst = 0.0
-    for rows, K in ((64, 768), (64, 4096), (7, 4096)):
+    for rows, K in ((64, 768), (64, 4096), (7, 4096), (2, 4096), (1, 16384)):
         rng = np.random.default_rng(K + rows)
         x = rng.standard_normal((rows, K)).astype(np.float32)
         w = rng.standard_normal((96, K)).astype(np.float32)

@@ -287,6 +287,27 @@ def test_self_attention_few_rows(rng, N, L, E, H, E_out, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
+@pytest.mark.parametrize("N,L,S", [(1, 1, 1), (1, 2, 3), (2, 1, 2), (1, 3, 5), (4, 1, 1), (2, 2, 9),
+                                   (1, 5, 4)])
+def test_few_rows_on_many_threads(rng, N, L, S, in_bias, dtype):
+    # A few rows (up to four) are projected as dot products with the rows of
+    # the weights, in blocks shared among threads. Weights of 1000 x 1000 (odd:
+    # each row ends in a partial vector) make the calls large enough to be
+    # threaded: the reference's values, and the same bits on 1 and 3 threads,
+    # for cross-attention (S keys) and self-attention.
+    E, H = 1000, 8
+    args = mha_args(rng, L=L, S=S, N=N, E=E, H=H, dtype=dtype, in_bias=in_bias,
+                    need_weights=False, batch_first=N % 2 == 0)
+    x = args["query"]
+    for call in (args, {**args, "key": x, "value": x}):
+        with num_threads(1):
+            out, _ = check(call)
+        with num_threads(3):
+            assert_identical(out, mha(**call)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("out_bias", [False, True], ids=["no_out_bias", "out_bias"])
 @pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
 def test_optional_biases(rng, in_bias, out_bias, dtype):

@@ -21,7 +21,8 @@
 namespace attnx {
 namespace {
 
-constexpr int64_t kRowBlock = 96;  // rows of x per task: a multiple of every MR
+// Rows per task: of x (many rows), of w (few rows); a multiple of every MR.
+constexpr int64_t kRowBlock = 96;
 // Bytes of a packed panel's block of rows that the gemm keeps in L2 (half
 // of the smallest L2 of the CPUs served, 512 KiB), and the fewest rows.
 // Blocks sized for L1 (16 KiB) were 15% slower with AVX-512: its 64-wide
@@ -76,9 +77,17 @@ void transpose_input(const StridedView<const T, 3>& x, int64_t lanes, T* xt) {
 template <typename T>
 void linear_transposed(const RowMajorView<const T>& w, const T* bias, const T* xt, int64_t lanes,
                        T* yt) {
-  // The bias starts each row of y^T.
-  active_kernels(T()).gemm(w.rows, lanes, w.cols, w.data, w.row_stride, 1, xt, lanes, yt, lanes,
-                           bias ? GemmInit::kBiasRows : GemmInit::kZero, bias);
+  // Blocks of kRowBlock rows of w (and of y^T), one task each: with few
+  // rows of x, reading w is most of the work, and every thread reads its
+  // share. The bias starts each row of y^T.
+  const KernelTable<T>& kt = active_kernels(T());
+  const int64_t blocks = (w.rows + kRowBlock - 1) / kRowBlock;
+  const int nthreads = threads_for(double(w.rows) * double(w.cols) * double(lanes));
+  parallel_for(blocks, nthreads, Schedule::kStatic, [&](int64_t block) {
+    const int64_t m0 = block * kRowBlock, rows = std::min(kRowBlock, w.rows - m0);
+    kt.gemm(rows, lanes, w.cols, w.row(m0), w.row_stride, 1, xt, lanes, yt + m0 * lanes, lanes,
+            bias ? GemmInit::kBiasRows : GemmInit::kZero, bias ? bias + m0 : nullptr);
+  });
 }
 
 template <typename T>
@@ -103,6 +112,25 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], out = w.rows;
   if (N == 0 || L == 0 || out == 0) return;
   const KernelTable<T>& kt = active_kernels(T());
+  if (N * L <= kDotRowsMax) {
+    // A few rows: dot products with the rows of w, read where they lie
+    // once for all of them, in blocks of kRowBlock rows of w, one task each.
+    const int rows = static_cast<int>(N * L);
+    const T* x_rows[kDotRowsMax];
+    for (int r = 0; r < rows; ++r) x_rows[r] = x.at(r / L, r % L);
+    const int64_t blocks = (out + kRowBlock - 1) / kRowBlock;
+    const int nthreads = threads_for(double(rows) * double(in) * double(out));
+    parallel_for(blocks, nthreads, Schedule::kStatic, [&](int64_t block) {
+      const int64_t m0 = block * kRowBlock, n = std::min(kRowBlock, out - m0);
+      T* y_rows[kDotRowsMax];
+      for (int r = 0; r < rows; ++r) y_rows[r] = y.at(r / L, r % L) + m0;
+      kt.dot_rows(x_rows, rows, w.row(m0), w.row_stride, n, in, y_rows);
+      if (bias)
+        for (int r = 0; r < rows; ++r)
+          for (int64_t m = 0; m < n; ++m) y_rows[r][m] += bias[m0 + m];
+    });
+    return;
+  }
   if (linear_copies_input<T>(N * L)) {
     // Few rows: y^T = w . x^T, packing the small x^T (in x lanes) rather
     // than w, then transposing the small result back.

@@ -12,8 +12,10 @@ template <typename T>
 void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T>& w,
                     const T* bias, const StridedView<T, 3>& y);
 
-// Whether linear_forward of `rows` rows (N * L) copies x, transposed, rather
-// than packing w: then the fewer calls over the same x, the fewer copies.
+// Whether linear_forward of `rows` rows (N * L) reads x's rows in place (up
+// to kDotRowsMax rows) or copies them, transposed, rather than packing w:
+// then one call over stacked weights does better than several over the
+// same x.
 template <typename T>
 bool linear_copies_input(int64_t rows);
 

@@ -43,10 +43,12 @@ bool self_attention_few_rows(const MhaArgs<T>& a) {
   const int64_t L_lanes = transposed_lanes<T>(L);  // the lanes of one batch's queries
   const bool masked = a.masks[0].present() || a.masks[1].present();
   // One flash tile per head in the general path, all keys in one block
-  // (blocks hold at least 32 keys), and each batch's lanes starting on a
-  // whole vector.
+  // (blocks hold at least 32 keys), each batch's lanes starting on a whole
+  // vector, and rows enough that linear_forward transposes them (fewer it
+  // takes as dot products, which sum in another order).
   const bool one_tile = L * 4 >= qt && L_lanes <= qt && L <= 32;
-  if (masked || a.causal || a.weights || !one_tile || (N > 1 && L % W != 0) || N * L == 0)
+  if (masked || a.causal || a.weights || !one_tile || (N > 1 && L % W != 0) ||
+      N * L <= kDotRowsMax)
     return false;
 
   const int64_t xt_size = E * lanes, qkv_size = 3 * E * lanes, o_size = E * lanes;

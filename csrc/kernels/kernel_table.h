@@ -41,6 +41,9 @@ struct LineRequests {
   LineRange ranges[2];
 };
 
+// The rows of x that dot_rows takes through w at once.
+constexpr int kDotRowsMax = 4;
+
 // Independent vector chains of fma_probe: enough to hide a 4-cycle
 // multiply-add latency at two issues per cycle.
 constexpr int kFmaProbeChains = 12;
@@ -94,6 +97,11 @@ struct KernelTable {
   void (*scale_columns)(T* x, int64_t rows, int64_t ld, int64_t cols, const T* factors);
   // Whether x[0..n) holds no NaN or infinity.
   bool (*all_finite)(const T* x, int64_t n);
+  // y[r][j] = <x[r], w_j> for r < rows, j < n, with w's rows ldw apart and
+  // dim elements each: the projection of a few rows, each row of w read once
+  // for up to kDotRowsMax rows of x (and prefetched: it comes from memory).
+  void (*dot_rows)(const T* const* x, int rows, const T* w, int64_t ldw, int64_t n, int64_t dim,
+                   T* const* y);
   // dst[c * lanes + r] = scale * src[r * ld + c] for r < rows, c < cols, and
   // 0 for rows <= r < lanes; lanes is a multiple of the vector width.
   void (*pack_transposed)(const T* src, int64_t ld, int64_t rows, int64_t cols, T scale, T* dst,

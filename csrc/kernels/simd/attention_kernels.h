@@ -453,6 +453,68 @@ struct Kernels {
     }
   }
 
+  // dot_rows for R rows of x, 4 rows of w at a time: each vector of a w row
+  // is loaded once for the R rows, each of x once for the 4 rows of w.
+  template <int R>
+  static void dot_rows_of(const T* const* x, const T* w, int64_t ldw, int64_t n, int64_t dim,
+                          T* const* y) {
+    const int64_t ahead = prefetch_distance<T>(true, dim);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const T* wj = w + j * ldw;
+      if (ahead && j + ahead + 4 <= n) prefetch_rows(wj + ahead * ldw, ldw, 4, dim);
+      V acc[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) acc[r][u] = Vec::zero();
+      for (int64_t i = 0; i < dim; i += W) {
+        const int len = static_cast<int>(min64(W, dim - i));
+        V wv[4], xv[R];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u)
+          wv[u] = len == W ? Vec::load(wj + u * ldw + i) : Vec::load_partial(wj + u * ldw + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          xv[r] = len == W ? Vec::load(x[r] + i) : Vec::load_partial(x[r] + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) acc[r][u] = Vec::fmadd(xv[r], wv[u], acc[r][u]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) y[r][j + u] = Vec::reduce_add(acc[r][u]);
+    }
+    for (; j < n; ++j) {
+      const T* wj = w + j * ldw;
+      V acc[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
+      for (int64_t i = 0; i < dim; i += W) {
+        const int len = static_cast<int>(min64(W, dim - i));
+        const V wv = Vec::load_partial(wj + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r] = Vec::fmadd(Vec::load_partial(x[r] + i, len), wv, acc[r]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) y[r][j] = Vec::reduce_add(acc[r]);
+    }
+  }
+
+  static void dot_rows(const T* const* x, int rows, const T* w, int64_t ldw, int64_t n,
+                       int64_t dim, T* const* y) {
+    for (int r0 = 0; r0 < rows; r0 += kDotRowsMax) {
+      switch (imin(rows - r0, kDotRowsMax)) {
+        case 1: dot_rows_of<1>(x + r0, w, ldw, n, dim, y + r0); break;
+        case 2: dot_rows_of<2>(x + r0, w, ldw, n, dim, y + r0); break;
+        case 3: dot_rows_of<3>(x + r0, w, ldw, n, dim, y + r0); break;
+        default: dot_rows_of<4>(x + r0, w, ldw, n, dim, y + r0); break;
+      }
+    }
+  }
+
   static void scores(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
                      T* dst, bool stream) {
     scores_of<Stored::kNative>(q, k, ldk, n_keys, dim, scale, dst, stream);
@@ -655,7 +717,7 @@ struct Kernels {
   static KernelTable<T> table(const char* name, Isa isa) {
     KernelTable<T> t{name,   isa,  W,      QT,     NR, kWideWidth,
                      gemm,   softmax_tile, add_mask_sums, scores, accumulate_pv,
-                     exp_shift_sum, scale,        scale_columns, all_finite,
+                     exp_shift_sum, scale,        scale_columns, all_finite, dot_rows,
                      pack_transposed, gemm_wide, fma_probe, nullptr, nullptr,
                      {nullptr, nullptr}, {nullptr, nullptr}};
     if constexpr (Vec::kWidens16) {
