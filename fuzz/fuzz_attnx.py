@@ -786,7 +786,8 @@ def fuzz_core(p: Provider):
     # _core.mha with canonical (N, L, E) arguments
     H = p.int(1, 2)
     E = H * p.choice([1, 2, 4])
-    N, L, S = p.int(0, 2), p.choice([0, 1, 5]), p.choice([0, 1, 6])
+    # (L = 8, 16 with S = L: the transposed form of few-row self-attention.)
+    N, L, S = p.int(0, 2), p.choice([0, 1, 5, 8, 16]), p.choice([0, 1, 6, 8, 16])
     kdim, vdim = p.choice([E, 3]), p.choice([E, 2])
     Eo = p.choice([E, E, 3])
     avg = p.bool()
@@ -848,7 +849,8 @@ def fuzz_core_mha_plan(p: Provider, dtype):
     if not ok:
         return
     batch_first = params["batch_first"]
-    N, L, S = p.int(0, 2), p.choice([0, 1, 5]), p.choice([0, 1, 6])
+    # (L = 8, 16 with S = L: the transposed form of few-row self-attention.)
+    N, L, S = p.int(0, 2), p.choice([0, 1, 5, 8, 16]), p.choice([0, 1, 6, 8, 16])
 
     def seq(length, dim):
         return values(p, (N, length, dim) if batch_first else (length, N, dim), dtype)
