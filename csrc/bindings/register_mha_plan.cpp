@@ -126,7 +126,10 @@ class MhaPlan {
   template <typename T>
   py::object call_typed(const py::handle& query, const py::handle& key, const py::handle& value,
                         bool with_weights, bool average, bool causal, bool bottom_right) const {
-    const auto q = plain_input<T>(query), k = plain_input<T>(key), v = plain_input<T>(value);
+    // (Self-attention passes one array three times: it is checked once.)
+    const auto q = plain_input<T>(query);
+    const auto k = key.ptr() == query.ptr() ? q : plain_input<T>(key);
+    const auto v = value.ptr() == key.ptr() ? k : plain_input<T>(value);
     if (!q || !k || !v) return py::none();
     const int64_t E = w_q_.shape(0), H = num_heads_;
     const int64_t N = q->shape[0], L = q->shape[1], S = k->shape[1];
