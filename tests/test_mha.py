@@ -308,6 +308,30 @@ def test_few_rows_on_many_threads(rng, N, L, S, in_bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rows", [5, 33, 100, 256])
+@pytest.mark.parametrize("n_in,n_out", [(1000, 700), (1300, 1100), (64, 96)])
+def test_projection_forms_give_the_same_bits(rng, rows, n_in, n_out, dtype):
+    # A projection of up to 256 rows with a large weight is computed as
+    # y^T = w . x^T; more rows, or a small weight, pack w instead. Both sum
+    # each value in the same order: a row gives the same bits in a call of
+    # a few rows as in one of many, on any thread count.
+    from attnx import _core
+
+    x = randn(rng, (rows + 300, n_in), dtype)
+    w = randn(rng, (n_out, n_in), dtype, 1.0 / np.sqrt(n_in))
+    bias = randn(rng, (n_out,), dtype)
+    many = np.empty((rows + 300, n_out), dtype)
+    few = np.empty((rows, n_out), dtype)
+    with num_threads(1):
+        _core.linear(x, w, bias, many)
+    with num_threads(3):
+        _core.linear(x[:rows], w, bias, few)
+    assert_identical(few, many[:rows])
+    want = x[:rows].astype(np.float64) @ w.T.astype(np.float64) + bias
+    assert_close(few, want, dtype, atol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("out_bias", [False, True], ids=["no_out_bias", "out_bias"])
 @pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
 def test_optional_biases(rng, in_bias, out_bias, dtype):

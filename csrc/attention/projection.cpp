@@ -1,8 +1,9 @@
 // The projections of multi-head attention: y = x . w^T + bias.
 //
 //   pack w^T in panels as wide as gemm_wide's tile   (in x wide each, zero-padded)
-//   (for at most NR rows, y^T = w . x^T instead, packing the small x^T: the
-//   steps transpose_input, linear_transposed, transpose_output)
+//   (for few rows, y^T = w . x^T instead, packing the small x^T: the steps
+//   transpose_input, linear_transposed, transpose_output; for up to four,
+//   dot products of each row with the rows of w)
 //   parallel for each (batch, block of rows, panel):
 //     y[rows, panel] = bias[panel]
 //     for each block of k_block rows of `in` (L2-sized):
@@ -23,6 +24,18 @@ namespace {
 
 // Rows per task: of x (many rows), of w (few rows); a multiple of every MR.
 constexpr int64_t kRowBlock = 96;
+// Beyond the few rows that linear_copies_input counts, y^T = w . x^T (w
+// not packed) is still faster where w is large (at least
+// kTransposedMinWeightBytes) and the rows few (at most w's bytes /
+// kTransposedBytesPerRow, and kTransposedRowsMax): packing a large w is a
+// pass over memory that few rows do not amortise. MHA B1, time against
+// packing on a Xeon, one core and two: E768 L48 -37% and -22%, L128 -19%
+// and -30%, L256 -8% and -2%; E1024 L200 two cores -15%; E512 L64 -20% and
+// +2%, L128 -8% and -20%, but L256 +3% and +14%; E384 L36 0% and +16%; E64
+// L33 +38%. (Both forms give the same bits: the same sums in one order.)
+constexpr int64_t kTransposedRowsMax = 256;
+constexpr double kTransposedMinWeightBytes = 1 << 20;
+constexpr double kTransposedBytesPerRow = 8192;
 // Bytes of a packed panel's block of rows that the gemm keeps in L2 (half
 // of the smallest L2 of the CPUs served, 512 KiB), and the fewest rows.
 // Blocks sized for L1 (16 KiB) were 15% slower with AVX-512: its 64-wide
@@ -131,9 +144,13 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     });
     return;
   }
-  if (linear_copies_input<T>(N * L)) {
-    // Few rows: y^T = w . x^T, packing the small x^T (in x lanes) rather
-    // than w, then transposing the small result back.
+  const double w_bytes = double(out) * double(in) * sizeof(T);
+  const bool transposed_pays = w_bytes >= kTransposedMinWeightBytes &&
+                               N * L <= kTransposedRowsMax &&
+                               double(N * L) * kTransposedBytesPerRow <= w_bytes;
+  if (linear_copies_input<T>(N * L) || transposed_pays) {
+    // Few rows (or not many, and a large w): y^T = w . x^T, packing the
+    // small x^T (in x lanes) rather than w, then transposing the result back.
     const int64_t lanes = transposed_lanes<T>(N * L);
     std::unique_ptr<T[]> scratch(new T[size_t((in + out) * lanes)]);
     T* xt = scratch.get();
