@@ -161,6 +161,12 @@ SHAPES = (
     Shape("mha-e768", "mha", B=8, H=12, L=128, S=128, D=64),
     Shape("mha-e64", "mha", B=1, H=4, L=16, S=16, D=16),
 )
+# Run only when named: a BERT-sized layer on one token (projections of one
+# row: reading the weights is the work) and on a short sequence.
+EXTRA_SHAPES = (
+    Shape("mha-e1024-l1", "mha", B=1, H=16, L=1, S=1, D=64),
+    Shape("mha-e768-l64", "mha", B=1, H=12, L=64, S=64, D=64),
+)
 
 
 def select_shapes(selectors: list[str] | None) -> list[Shape]:
@@ -172,9 +178,10 @@ def select_shapes(selectors: list[str] | None) -> list[Shape]:
         if sel.isdigit() and 1 <= int(sel) <= len(SHAPES):
             chosen.append(SHAPES[int(sel) - 1])
             continue
-        matches = [s for s in SHAPES if s.name == sel]
+        matches = [s for s in SHAPES + EXTRA_SHAPES if s.name == sel]
         if not matches:
-            names = ", ".join(f"{i}={s.name}" for i, s in enumerate(SHAPES, 1))
+            names = ", ".join([f"{i}={s.name}" for i, s in enumerate(SHAPES, 1)] +
+                              [s.name for s in EXTRA_SHAPES])
             raise SystemExit(f"unknown shape {sel!r}; choose from {names}")
         chosen.extend(matches)
     return chosen
@@ -950,7 +957,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, cores}),
                    help="thread counts, each run in its own subprocess (default: 1 and the core count)")
     p.add_argument("--shapes", nargs="+", help="shapes by number (1-7) or name: "
-                   + ", ".join(f"{i}={s.name}" for i, s in enumerate(SHAPES, 1)))
+                   + ", ".join(f"{i}={s.name}" for i, s in enumerate(SHAPES, 1))
+                   + "; named only: " + ", ".join(s.name for s in EXTRA_SHAPES))
     p.add_argument("--libs", nargs="+", default=list(LIBRARIES), choices=LIBRARIES,
                    help="libraries to run (attnx is always run)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 7, --quick 2)")
