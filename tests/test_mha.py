@@ -332,6 +332,40 @@ def test_projection_forms_give_the_same_bits(rng, rows, n_in, n_out, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", ["contiguous", "padded"])
+@pytest.mark.parametrize("N,L", [(5, 100), (3, 70), (2, 193)])
+def test_batch_rows_give_the_bits_of_each_sequence_alone(rng, N, L, layout, dtype):
+    # The projections of many rows take blocks of rows that may span several
+    # sequences of the batch (where the rows are evenly spaced), sized by the
+    # thread count: each sequence still gives the bits it gives alone, on any
+    # thread count, and the values of the float64 reference.
+    E, H = 48, 4
+    module = attnx.MultiheadAttention(E, H, batch_first=True, dtype=dtype)
+    module.in_proj_bias[...] = randn(rng, (3 * E,), dtype)
+    module.out_proj_bias[...] = randn(rng, (E,), dtype)
+    if layout == "contiguous":
+        x = randn(rng, (N, L, E), dtype)
+    else:  # rows evenly spaced within each sequence, not across them
+        x = randn(rng, (N, L + 3, E), dtype)[:, 2:-1]
+    for threads in (1, 2, 3):
+        with num_threads(threads):
+            batch, _ = module(x, x, x, need_weights=False)
+            for n in range(N):
+                alone, _ = module(x[n : n + 1], x[n : n + 1], x[n : n + 1], need_weights=False)
+                assert_identical(batch[n : n + 1], alone)
+    p = module.state_dict()
+    seq_first = x.transpose(1, 0, 2)
+    args = dict(
+        query=seq_first, key=seq_first, value=seq_first, embed_dim_to_check=E, num_heads=H,
+        in_proj_weight=p["in_proj_weight"], in_proj_bias=p["in_proj_bias"], bias_k=None,
+        bias_v=None, add_zero_attn=False, dropout_p=0.0, out_proj_weight=p["out_proj.weight"],
+        out_proj_bias=p["out_proj.bias"], need_weights=False,
+    )
+    want = ref_mha(**args)[0].transpose(1, 0, 2)
+    assert_close(batch, want, dtype, atol=output_atol(args, want, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("out_bias", [False, True], ids=["no_out_bias", "out_bias"])
 @pytest.mark.parametrize("in_bias", [False, True], ids=["no_in_bias", "in_bias"])
 def test_optional_biases(rng, in_bias, out_bias, dtype):

@@ -22,8 +22,14 @@
 namespace attnx {
 namespace {
 
-// Rows per task: of x (many rows), of w (few rows); a multiple of every MR.
+// Rows of w per task where x has few rows; a multiple of every MR.
 constexpr int64_t kRowBlock = 96;
+// Rows of x per task where it has many (a multiple of every MR): each task
+// brings a packed panel from the last-level cache into L2 once for all its
+// row tiles. MHA B8 L128 E768 (1024 rows), projections alone on a Xeon
+// core: 169 GFLOP/s in blocks of 96 rows, 174 in blocks of 192 (median of
+// 15 interleaved runs).
+constexpr int64_t kManyRowBlock = 192;
 // Beyond the few rows that linear_copies_input counts, y^T = w . x^T (w
 // not packed) is still faster where w is large (at least
 // kTransposedMinWeightBytes) and the rows few (at most w's bytes /
@@ -55,6 +61,29 @@ int64_t even_row_spacing(const StridedView<U, 3>& v) {
   if (L == 1) return v.stride[0];
   if (N == 1 || v.stride[0] == L * v.stride[1]) return v.stride[1];
   return -1;
+}
+
+// The rows (n, l) of x and y as `sequences` runs of `count` rows, each
+// evenly spaced in x and in y: all N * L rows as one run where both arrays
+// space them evenly (in the order (n, l)), else one run per n.
+struct RowSequence {
+  int64_t sequences = 0, count = 0;
+  int64_t x_spacing = 0, y_spacing = 0;
+
+  // Row r of run `sequence` of v (x or y).
+  template <typename U>
+  U* row(const StridedView<U, 3>& v, int64_t sequence, int64_t r) const {
+    const int64_t L = v.shape[1];
+    return sequences > 1 ? v.at(sequence, r) : v.at(r / L, r % L);
+  }
+};
+
+template <typename T>
+RowSequence row_sequence(const StridedView<const T, 3>& x, const StridedView<T, 3>& y) {
+  const int64_t N = x.shape[0], L = x.shape[1];
+  const int64_t xs = even_row_spacing(x), ys = even_row_spacing(y);
+  if (!x.batch_offsets && !y.batch_offsets && xs >= 0 && ys >= 0) return RowSequence{1, N * L, xs, ys};
+  return RowSequence{N, L, x.stride[1], y.stride[1]};
 }
 
 }  // namespace
@@ -178,22 +207,34 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   // as one pass over `in`.
   const int64_t k_block = std::min(
       in, std::max<int64_t>(kMinKBlock, kPanelBlockBytes / int64_t(wide * sizeof(T)) / 16 * 16));
-  const int64_t row_blocks = (L + kRowBlock - 1) / kRowBlock;
-  const int64_t tasks = N * row_blocks * panels;
+  // Where the rows of x and of y are evenly spaced in one order, a block of
+  // rows may span several (n). Each run of rows is cut into blocks of about
+  // kManyRowBlock rows, of sizes within 12 rows of each other, as many as a
+  // multiple of the thread count: the static shares are then even (blocks
+  // of 192 and a last one of 64 left one of two cores 12% more rows).
+  const RowSequence rows_of = row_sequence(x, y);
   const int nthreads = threads_for(double(N) * double(L) * double(in) * double(out));
+  int64_t row_blocks = (rows_of.count + kManyRowBlock - 1) / kManyRowBlock;
+  if (rows_of.sequences == 1) row_blocks = (row_blocks + nthreads - 1) / nthreads * nthreads;
+  const auto block_start = [&](int64_t block) {
+    return block == row_blocks ? rows_of.count : block * rows_of.count / row_blocks / 12 * 12;
+  };
+  const int64_t tasks = rows_of.sequences * row_blocks * panels;
   parallel_for(tasks, nthreads, Schedule::kStatic, [&](int64_t t) {
-    const int64_t p = t % panels, nb = t / panels;
-    const int64_t n = nb / row_blocks, l0 = (nb % row_blocks) * kRowBlock;
-    const int64_t rows = std::min(kRowBlock, L - l0);
+    const int64_t p = t % panels, sb = t / panels;
+    const int64_t sequence = sb / row_blocks, block = sb % row_blocks;
+    const int64_t r0 = block_start(block), rows = block_start(block + 1) - r0;
+    if (rows <= 0) return;
     const int64_t cols = std::min(wide, out - p * wide);
     const T* panel = packed.get() + p * in * wide;
-    T* y_tile = y.at(n, l0) + p * wide;
+    const T* x_rows = rows_of.row(x, sequence, r0);
+    T* y_tile = rows_of.row(y, sequence, r0) + p * wide;
     for (int64_t k0 = 0; k0 < in; k0 += k_block) {
       const GemmInit init = k0 > 0 ? GemmInit::kAddSum
                             : bias ? GemmInit::kBiasColumns
                                    : GemmInit::kZero;
-      kt.gemm_wide(rows, cols, std::min(k_block, in - k0), x.at(n, l0) + k0, x.stride[1], 1,
-                   panel + k0 * wide, wide, y_tile, y.stride[1], init,
+      kt.gemm_wide(rows, cols, std::min(k_block, in - k0), x_rows + k0, rows_of.x_spacing, 1,
+                   panel + k0 * wide, wide, y_tile, rows_of.y_spacing, init,
                    bias ? bias + p * wide : nullptr);
     }
   });
