@@ -249,7 +249,9 @@ def test_calls_leave_denormals_working(rng, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_denormal_weights(rng, dtype):
-    """Scores spread so that most weights are denormal or underflow (MHA's weights output)."""
+    """Scores spread so that most weights are denormal or underflow (MHA's weights output).
+    The SIMD kernels give 0 for a term e^x below the smallest normal number, where the
+    reference's is denormal: within any tolerance, and no microcode assists."""
     from conftest import mha_args
 
     args = mha_args(rng, L=7, S=50, N=2, E=8, H=2, dtype=dtype, need_weights=True, average_attn_weights=False)
@@ -257,9 +259,40 @@ def test_denormal_weights(rng, dtype):
     args["attn_mask"] = (-spread * rng.random((7, 50)) - spread * 0.5).astype(dtype)
     out, w = mha(**args)
     expected = ref_mha(**args)
-    assert (w[(w > 0)] < np.finfo(dtype).tiny).any(), "no denormal weight: the case tests nothing"
+    tiny = np.finfo(dtype).tiny
+    ref_w = np.asarray(expected[1], np.float64)
+    assert ((ref_w > 0) & (ref_w < tiny)).any(), "no denormal weight: the case tests nothing"
     assert_close(out, expected[0], dtype)
     assert_close(w, expected[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L", [1, 40])  # the row path (decoding) and the tile path
+def test_weights_at_the_edge_of_the_normal_range(dtype, L):
+    """Scores whose e^(s - max) straddle the smallest normal number, a large float mask, a
+    closed key and a NaN score: with the values the identity, the output row is the row's
+    weights. Each weight matches the reference (those below the normal range within atol),
+    the closed key's is exactly 0, and the NaN score's row is NaN (a NaN passes through the
+    kernels' underflow masks)."""
+    ln_tiny = float(np.log(np.finfo(dtype).tiny))  # -87.34 (float32), -708.40 (float64)
+    offsets = [0.0, -1.0, -20.0, ln_tiny + 1.0, ln_tiny + 1e-3, ln_tiny - 1e-3, ln_tiny - 0.5,
+               ln_tiny - 10.0, ln_tiny - 16.5, ln_tiny - 17.0, ln_tiny - 40.0, -1e4, 0.0, -3.0]
+    S = len(offsets)
+    k = np.array(offsets, np.float64).reshape(1, 1, S, 1).astype(dtype)
+    q = np.ones((1, 1, L, 1), dtype)
+    v = np.eye(S, dtype=dtype).reshape(1, 1, S, S)
+    mask = np.zeros((L, S), dtype)
+    mask[:, 1] = -np.inf  # closed key
+    mask[:, 2] = -1e4     # a large float mask on an open key
+    got = sdpa(q, k, v, mask, scale=1.0)
+    expected = ref_sdpa(q, k, v, mask, scale=1.0)
+    assert_close(got, expected, dtype)
+    assert (got[..., 1] == 0).all()
+    np.testing.assert_allclose(got.astype(np.float64).sum(-1), 1.0, rtol=1e-5)
+    k_nan = k.copy()
+    k_nan[0, 0, 4, 0] = np.nan
+    got_nan = sdpa(q, k_nan, v, mask, scale=1.0)
+    assert np.isnan(got_nan).all(), "a NaN score makes its rows NaN"
 
 
 # ---------------------------------------------------------------------------------------------

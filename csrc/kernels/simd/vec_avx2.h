@@ -115,10 +115,14 @@ struct Avx2F32 {
   }
   static V exp(V x) {
     using C = ExpConstants<T>;
-    // Clamped so that n fits [-160, 130]; 2^n is built as 2^(n/2) * 2^(n - n/2)
-    // from exponent bits, so both factors stay normal numbers and the product
-    // underflows to an exact 0 (exp(-inf)) or overflows to +inf like exp.
-    x = _mm256_max_ps(set1(-110.0f), x);
+    // Below kUnderflow (exp(-inf) among them) the result is an exact 0 by a
+    // mask, so that no product underflows (see ExpConstants). x is clamped
+    // so that n fits [-126, 130]; 2^n is built as 2^(n/2) * 2^(n - n/2) from
+    // exponent bits, so both factors stay normal numbers and the product
+    // overflows to +inf like exp. NaN passes through the compare (unordered)
+    // and vmaxps/vminps (their second operand).
+    const V normal = _mm256_cmp_ps(x, set1(C::kUnderflow), _CMP_NLT_UQ);
+    x = _mm256_max_ps(set1(C::kUnderflow), x);
     x = _mm256_min_ps(set1(90.0f), x);
     const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(C::kLog2e)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -132,7 +136,7 @@ struct Avx2F32 {
     const __m256i bias = _mm256_set1_epi32(127);
     const V scale1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
     const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2);
+    return _mm256_and_ps(_mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2), normal);
   }
   static V exp2(V x) {
     using C = Exp2Constants<T>;
@@ -238,7 +242,9 @@ struct Avx2F64 {
   }
   static V exp(V x) {
     using C = ExpConstants<T>;
-    x = _mm256_max_pd(set1(-760.0), x);
+    // As Avx2F32's: below kUnderflow, an exact 0 by the mask.
+    const V normal = _mm256_cmp_pd(x, set1(C::kUnderflow), _CMP_NLT_UQ);
+    x = _mm256_max_pd(set1(C::kUnderflow), x);
     x = _mm256_min_pd(set1(720.0), x);
     const V n = _mm256_round_pd(_mm256_mul_pd(x, set1(C::kLog2e)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -254,7 +260,7 @@ struct Avx2F64 {
         _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), bias), 52));
     const V scale2 = _mm256_castsi256_pd(
         _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), bias), 52));
-    return _mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2);
+    return _mm256_and_pd(_mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2), normal);
   }
   static V exp2(V x) {
     using C = Exp2Constants<T>;

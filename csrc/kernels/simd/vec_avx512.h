@@ -84,10 +84,12 @@ struct Avx512F32 {
   }
   static V exp(V x) {
     using C = ExpConstants<T>;
-    // Clamp so that 2^n stays finite for scalef; exp(-inf) then scales to an
-    // exact 0 and x > ln(FLT_MAX) to +inf. NaN passes through vmaxps/vminps
-    // as their second operand.
-    x = _mm512_max_ps(set1(-150.0f), x);
+    // Below kUnderflow (exp(-inf) among them) the result is an exact 0
+    // through a zeroing mask, so that scalef never underflows (see
+    // exp2_nonpositive); x > ln(FLT_MAX) scales to +inf. NaN passes through
+    // the compare and vmaxps/vminps (their second operand).
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, set1(C::kUnderflow), _CMP_NLT_UQ);
+    x = _mm512_max_ps(set1(C::kUnderflow), x);
     x = _mm512_min_ps(set1(90.0f), x);
     const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(C::kLog2e)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -95,20 +97,27 @@ struct Avx512F32 {
     r = _mm512_fnmadd_ps(n, set1(C::kLn2Lo), r);
     V p = set1(C::kTaylor[C::kDegree]);
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kTaylor[k]));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_scalef_ps(normal, p, n);
   }
-  // The softmax's 2^x, for x <= 0 (or NaN, which passes through): 2^-160
-  // scales to an exact 0, and so does -inf. With no clamp above (scalef
-  // needs none for x <= 0) it is one operation of about fifteen shorter:
-  // 1.82 rather than 2.17 ns a vector on a Xeon core.
+  // The softmax's 2^x, for x <= 0 (or NaN, which passes through). With no
+  // clamp above (scalef needs none for x <= 0) it is one operation of about
+  // fifteen shorter: 1.82 rather than 2.17 ns a vector on a Xeon core.
+  // x < -126 (a closed key's -inf among them) gives an exact 0 through a
+  // zeroing mask, and every other lane is at least 2^-126 (n >= -126, and
+  // r >= 0 where n = -126): no lane underflows. A scalef whose result
+  // underflows (to a subnormal or to 0) takes a microcode assist of about
+  // 270 cycles on Intel cores, which the first key block of every query
+  // tile paid for its rescale factor (e^-inf) and every vector of a closed
+  // key for its probability.
   static V exp2_nonpositive(V x) {
     using C = Exp2Constants<T>;
-    x = _mm512_max_ps(set1(-160.0f), x);
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, set1(-126.0f), _CMP_NLT_UQ);  // NaN too
+    x = _mm512_max_ps(set1(-126.0f), x);  // a NaN x is kept (max returns it)
     const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const V r = _mm512_sub_ps(x, n);
     V p = set1(C::kPoly[C::kDegree]);
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kPoly[k]));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_scalef_ps(normal, p, n);
   }
   // In-register transpose of 16 rows of 16: r[i][j] <- r[j][i].
   static void transpose(V (&r)[16]) {
@@ -182,7 +191,9 @@ struct Avx512F64 {
   }
   static V exp(V x) {
     using C = ExpConstants<T>;
-    x = _mm512_max_pd(set1(-1100.0), x);
+    // As Avx512F32's: below kUnderflow, an exact 0 by the mask.
+    const __mmask8 normal = _mm512_cmp_pd_mask(x, set1(C::kUnderflow), _CMP_NLT_UQ);
+    x = _mm512_max_pd(set1(C::kUnderflow), x);
     x = _mm512_min_pd(set1(720.0), x);
     const V n = _mm512_roundscale_pd(_mm512_mul_pd(x, set1(C::kLog2e)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -190,17 +201,19 @@ struct Avx512F64 {
     r = _mm512_fnmadd_pd(n, set1(C::kLn2Lo), r);
     V p = set1(C::kTaylor[C::kDegree]);
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kTaylor[k]));
-    return _mm512_scalef_pd(p, n);
+    return _mm512_maskz_scalef_pd(normal, p, n);
   }
-  // As Avx512F32's, with 2^-1100 scaling to an exact 0.
+  // As Avx512F32's: x < -1022 gives an exact 0 by the mask, every other lane
+  // at least 2^-1022.
   static V exp2_nonpositive(V x) {
     using C = Exp2Constants<T>;
-    x = _mm512_max_pd(set1(-1100.0), x);
+    const __mmask8 normal = _mm512_cmp_pd_mask(x, set1(-1022.0), _CMP_NLT_UQ);  // NaN too
+    x = _mm512_max_pd(set1(-1022.0), x);
     const V n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const V r = _mm512_sub_pd(x, n);
     V p = set1(C::kPoly[C::kDegree]);
     for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kPoly[k]));
-    return _mm512_scalef_pd(p, n);
+    return _mm512_maskz_scalef_pd(normal, p, n);
   }
   // In-register transpose of 8 rows of 8.
   static void transpose(V (&r)[8]) {
