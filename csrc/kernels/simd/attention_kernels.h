@@ -255,10 +255,19 @@ struct Kernels {
                                  init_n);
       } else if (NV > 1 && n == W) {
         // A panel of one vector (a few queries, a head dim of 16): a tile one
-        // vector wide spends no multiply-adds on the empty vectors. The sums
-        // go in the same order: the same bits.
-        gemm_panel<Vec::kGemmRows, 1, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n,
-                                            init, init_n);
+        // vector wide spends no multiply-adds on the empty vectors, and holds
+        // more rows (see kOneVectorRows). The sums go in the same order: the
+        // same bits.
+        constexpr int kRows = Vec::kOneVectorRows;
+        if constexpr (Vec::kColumnMajorTile && MR == Vec::kGemmRows && NV == kPanelVectors) {
+          if (a_row == 1) {
+            gemm_panel<kRows, 1, true, ALayout::kColumnMajor>(M, K, a, a_row, a_col, b + n0, ldb,
+                                                              c + n0, ldc, n, init, init_n);
+            continue;
+          }
+        }
+        gemm_panel<kRows, 1, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
+                                   init_n);
       } else {
         gemm_panel<MR, NV, false>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
                                   init_n);

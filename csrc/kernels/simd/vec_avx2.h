@@ -47,6 +47,7 @@ struct Avx2F32 {
   using V = __m256;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 6;  // 6 x 2 accumulators of 16 registers
+  static constexpr int kOneVectorRows = 6;  // rows of the one-vector tile
   static constexpr bool kColumnMajorTile = true;  // gemm tile for a_row == 1 (ALayout)
   // The wide tile too: 3 x 4 accumulators leave too few of the 16 registers
   // for the 4 vectors of B and the broadcast, and one accumulator spills.
@@ -197,6 +198,7 @@ struct Avx2F64 {
   using V = __m256d;
   static constexpr int W = 4;
   static constexpr int kGemmRows = 6;
+  static constexpr int kOneVectorRows = 6;
   static constexpr bool kColumnMajorTile = true;
   static constexpr int kWideRows = 6, kWideVectors = 2;  // as in Avx2F32
   static constexpr int kQueryTileVectors = 4;             // as in Avx2F32: 16 queries

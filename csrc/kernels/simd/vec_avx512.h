@@ -19,6 +19,9 @@ struct Avx512F32 {
   using V = __m512;
   static constexpr int W = 16;
   static constexpr int kGemmRows = 12;  // 12 x 2 accumulators of 32 registers
+  // Rows of the one-vector tile: 16 accumulators, so that a block of 16 rows
+  // (a head dim or 16 keys, in small calls) is one tile rather than 8 + 8.
+  static constexpr int kOneVectorRows = 16;
   static constexpr bool kColumnMajorTile = true;  // gemm tile for a_row == 1 (ALayout)
   static constexpr int kWideRows = 6, kWideVectors = 4;  // 6 x 4 accumulators
   static constexpr int kQueryTileVectors = 2;            // 32 queries per flash tile
@@ -154,6 +157,7 @@ struct Avx512F64 {
   using V = __m512d;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 12;
+  static constexpr int kOneVectorRows = 16;  // as in Avx512F32
   static constexpr bool kColumnMajorTile = true;
   static constexpr int kWideRows = 6, kWideVectors = 4;
   static constexpr int kQueryTileVectors = 2;  // 16 queries per flash tile

@@ -53,6 +53,7 @@ struct Portable {
   using T = Scalar;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 4;
+  static constexpr int kOneVectorRows = 4;
   // No column-major A tile (see ALayout): a portable tile is large code.
   static constexpr bool kColumnMajorTile = false;
   static constexpr int kWideRows = 2, kWideVectors = 4;
