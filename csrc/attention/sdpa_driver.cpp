@@ -211,12 +211,14 @@ void accumulate_values(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
                        int64_t i, int64_t j0, int64_t n, bool any_closed, const T* p,
                        const T* v, int64_t ldv, int64_t Ev, T* acc, bool stream) {
   if (!any_closed || rows_finite(kt, v, ldv, n, Ev)) {
-    kt.accumulate_pv(p, v, ldv, n, Ev, acc, stream);
+    kt.accumulate_pv(&p, 1, v, ldv, n, Ev, &acc, stream);
     return;
   }
-  for (int64_t j = 0; j < n; ++j)
+  for (int64_t j = 0; j < n; ++j) {
+    const T* p_j = p + j;
     if (!key_closed(a, b, h, i, j0 + j))
-      kt.accumulate_pv(p + j, v + j * ldv, ldv, 1, Ev, acc, false);
+      kt.accumulate_pv(&p_j, 1, v + j * ldv, ldv, 1, Ev, &acc, false);
+  }
 }
 
 // Scratch of one row-path task.
@@ -246,6 +248,9 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   T* v_buf = k_buf + kKeyBlock * E;       // kKeyBlock x Ev: widened values
   int64_t head[kQueryBlock], row[kQueryBlock];
   bool open[kQueryBlock] = {};            // whether the row has any open key
+  const T* q_rows[kQueryBlock];
+  T* s_rows[kQueryBlock];
+  T* acc_rows[kQueryBlock];
   std::fill(acc, acc + rows * Ev, T(0));
   std::fill(m, m + rows, kNegInf<T>);
   std::fill(l, l + rows, T(0));
@@ -254,6 +259,9 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   for (int64_t r = 0; r < rows; ++r) {
     head[r] = kv_head * group + (r0 + r) / L;
     row[r] = (r0 + r) % L;
+    q_rows[r] = a.query.at(b, head[r], row[r]);
+    s_rows[r] = tile + r * kKeyBlock;
+    acc_rows[r] = acc + r * Ev;
     const Band band = row_band(a, b, row[r]);
     if (!band.empty()) lo = std::min(lo, band.lo), hi = std::max(hi, band.hi);
   }
@@ -266,6 +274,7 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   // from there by every row. (Decoding at H32 D128, 2k-8k keys: direct reads
   // took 25-30% less time than widening into a buffer.)
   const bool direct_keys = rows <= 4 && keys.bits, direct_values = rows <= 4 && values.bits;
+  const int n_rows = static_cast<int>(rows);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
     int64_t start = j0, n = std::min(kKeyBlock, j_end - j0);
     if (j0 + n <= a.mask_cols) {  // source keys only: cut to the rows' band
@@ -277,18 +286,21 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     int64_t ldk = 0, ldv = 0;
     const T* kb = direct_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
     const T* vb = direct_values ? nullptr : values.rows(start, n, v_buf, ldv);
+    // (1) the scores of every row: the kernel takes a few rows through each
+    // key at once; the first of them read the block from memory, the others
+    // from cache.
+    if constexpr (std::is_same_v<T, float>) {
+      if (direct_keys)
+        kt.scores_16bit[keys.bits_kind](q_rows, n_rows, keys.bits + start * keys.ld, keys.ld, n,
+                                        E, a.scale, s_rows, true);
+    }
+    if (!direct_keys) kt.scores(q_rows, n_rows, kb, ldk, n, E, a.scale, s_rows, keys.native);
+    // The rows whose values go through the block in one pass, together.
+    const T* p_plain[kQueryBlock];
+    T* acc_plain[kQueryBlock];
+    int plain = 0;
     for (int64_t r = 0; r < rows; ++r) {
-      T* s = tile + r * kKeyBlock;
-      // The first row reads the block from memory, the others from cache.
-      const bool stream = r == 0;
-      // (1) scores
-      const T* q = a.query.at(b, head[r], row[r]);
-      if constexpr (std::is_same_v<T, float>) {
-        if (direct_keys)
-          kt.scores_16bit[keys.bits_kind](q, keys.bits + start * keys.ld, keys.ld, n, E, a.scale, s,
-                                          stream);
-      }
-      if (!direct_keys) kt.scores(q, kb, ldk, n, E, a.scale, s, stream && keys.native);
+      T* s = s_rows[r];
       const KeyStates states = apply_masks(a, b, head[r], row[r], start, n, s);
       open[r] = open[r] || states.any_open;
       // (2) new running max and the rescale of what was accumulated
@@ -299,19 +311,31 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       const T alpha = std::exp(m[r] - shift);
       const T block_sum = kt.exp_shift_sum(s, n, shift);
       // (3) update
-      T* acc_r = acc + r * Ev;
+      T* acc_r = acc_rows[r];
       if (alpha != T(1)) kt.scale(acc_r, Ev, alpha, acc_r);
       l[r] = alpha * l[r] + block_sum;
       m[r] = m_new;
-      if (direct_values && !states.any_closed) {
-        if constexpr (std::is_same_v<T, float>)
-          kt.accumulate_pv_16bit[values.bits_kind](s, values.bits + start * values.ld, values.ld,
-                                                   n, Ev, acc_r, stream);
-        continue;
+      if (states.any_closed) {
+        // A closed key's value must not reach the row (0 * NaN): where the
+        // block holds a value that is not finite, the row goes key by key
+        // (see accumulate_values).
+        if (direct_values && vb == nullptr) vb = values.rows(start, n, v_buf, ldv);
+        if (!rows_finite(kt, vb, ldv, n, Ev)) {
+          accumulate_values(a, kt, b, head[r], row[r], start, n, true, s, vb, ldv, Ev, acc_r,
+                            false);
+          continue;
+        }
       }
-      if (direct_values) vb = values.rows(start, n, v_buf, ldv);  // closed keys: see below
-      accumulate_values(a, kt, b, head[r], row[r], start, n, states.any_closed, s, vb, ldv, Ev,
-                        acc_r, stream && values.native);
+      p_plain[plain] = s;
+      acc_plain[plain++] = acc_r;
+    }
+    if (plain == 0) continue;
+    if (direct_values) {
+      if constexpr (std::is_same_v<T, float>)
+        kt.accumulate_pv_16bit[values.bits_kind](p_plain, plain, values.bits + start * values.ld,
+                                                 values.ld, n, Ev, acc_plain, true);
+    } else {
+      kt.accumulate_pv(p_plain, plain, vb, ldv, n, Ev, acc_plain, values.native);
     }
   }
   if (states) {
@@ -381,7 +405,8 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
       const int64_t n = std::min(kKeyBlock, S_read - j0);
       int64_t ldk;
       const T* kb = keys.rows(j0, n, k_buf, ldk);
-      kt.scores(q, kb, ldk, n, E, a.scale, p + j0, i == i0 && keys.native);
+      T* scores = p + j0;
+      kt.scores(&q, 1, kb, ldk, n, E, a.scale, &scores, i == i0 && keys.native);
     }
     std::fill(p + S_read, p + S, T(0));
     const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
@@ -904,7 +929,13 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   // Keys past every batch's key length are never read.
   int64_t S_read = S;
   if (a.range.key_lengths) S_read = *std::max_element(a.range.key_lengths, a.range.key_lengths + B);
-  const int nthreads = threads_for(double(B * Hq) * double(L) * double(S_read) * double(E + Ev));
+  // The work that sets the thread count: the multiply-adds, plus the keys
+  // and values read, at 8 multiply-adds an element. A decoding step does a
+  // few multiply-adds an element, and its time is the memory's: H12 S512 D64
+  // (0.8 million multiply-adds, 3 MiB) takes ~100 us on one core.
+  const double streamed = double(B * Hk) * double(S_read) * double(E + Ev);
+  const int nthreads =
+      threads_for(double(B * Hq) * double(L) * double(S_read) * double(E + Ev) + 8 * streamed);
 
   // The tile path wants most of a tile's lanes busy; fewer queries per head
   // (decoding) and the weights take the row path. The row path without

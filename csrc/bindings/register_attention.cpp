@@ -271,7 +271,7 @@ bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(
 // other input, which then takes the general path and its checks.
 template <typename T>
 py::object sdpa_plain_typed(const py::array& q, const py::array& k, const py::array& v,
-                            bool causal) {
+                            bool causal, bool enable_gqa) {
   const py::ssize_t item = sizeof(T);
   for (const py::array* a : {&q, &k, &v}) {
     if (a->ndim() != 4 || !is_dtype(*a, py::dtype::of<T>())) return py::none();
@@ -280,8 +280,11 @@ py::object sdpa_plain_typed(const py::array& q, const py::array& k, const py::ar
       return py::none();
   }
   const py::ssize_t B = q.shape(0), H = q.shape(1), L = q.shape(2), E = q.shape(3);
-  if (k.shape(0) != B || k.shape(1) != H || k.shape(3) != E || v.shape(0) != B ||
-      v.shape(1) != H || v.shape(2) != k.shape(2))
+  // Key heads: as many as the query's, or with enable_gqa a divisor of them.
+  const py::ssize_t Hk = k.shape(1);
+  const bool heads_match = Hk == H || (enable_gqa && H % Hk == 0);
+  if (k.shape(0) != B || !heads_match || k.shape(3) != E || v.shape(0) != B ||
+      v.shape(1) != Hk || v.shape(2) != k.shape(2))
     return py::none();
   py::array_t<T> out({B, H, L, v.shape(3)});
   SdpaArgs<T> a;
@@ -341,20 +344,24 @@ void register_attention(py::module_& m) {
       "out = x . w^T + b for x (N, K), w (M, K), b (M,) or None, out (N, M).");
   m.def(
       "sdpa_plain",
-      [](const py::handle& query, const py::handle& key, const py::handle& value,
-         bool causal) -> py::object {
+      [](const py::handle& query, const py::handle& key, const py::handle& value, bool causal,
+         bool enable_gqa) -> py::object {
         if (!py::isinstance<py::array>(query) || !py::isinstance<py::array>(key) ||
             !py::isinstance<py::array>(value))
           return py::none();
         const auto q = py::reinterpret_borrow<py::array>(query);
         const auto k = py::reinterpret_borrow<py::array>(key);
         const auto v = py::reinterpret_borrow<py::array>(value);
-        if (is_dtype(q, py::dtype::of<float>())) return sdpa_plain_typed<float>(q, k, v, causal);
-        if (is_dtype(q, py::dtype::of<double>())) return sdpa_plain_typed<double>(q, k, v, causal);
+        if (is_dtype(q, py::dtype::of<float>()))
+          return sdpa_plain_typed<float>(q, k, v, causal, enable_gqa);
+        if (is_dtype(q, py::dtype::of<double>()))
+          return sdpa_plain_typed<double>(q, k, v, causal, enable_gqa);
         return py::none();
       },
       py::arg("query"), py::arg("key"), py::arg("value"), py::arg("causal"),
-      "sdpa of three plain 4-D arrays with the default scale and no mask, or None.");
+      py::arg("enable_gqa") = false,
+      "sdpa of three plain 4-D arrays with the default scale and no mask, or None; with\n"
+      "enable_gqa the key heads may divide the query heads.");
   m.def(
       "mha",
       [](int64_t num_heads, const py::array& query, const py::array& key, const py::array& value,

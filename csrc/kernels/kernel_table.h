@@ -82,12 +82,16 @@ struct KernelTable {
   // Row kernels, for few queries and for the weights path. With `stream`,
   // the rows are taken to come from memory, read once: they are prefetched a
   // few keys ahead of the reads.
-  // dst[j] = scale * <q, k_j> for j < n_keys; key rows are ldk apart.
-  void (*scores)(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
-                 T* dst, bool stream);
-  // acc[:dim] += sum_j p[j] * v_j over j < n_keys.
-  void (*accumulate_pv)(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
-                        T* acc, bool stream);
+  // Both take `rows` query rows through the keys together, each key or
+  // value row read once for a few of them; a row's results are the same to
+  // the bit whatever rows it comes with.
+  // dst[r][j] = scale * <q[r], k_j> for r < rows, j < n_keys; key rows are
+  // ldk apart.
+  void (*scores)(const T* const* q, int rows, const T* k, int64_t ldk, int64_t n_keys,
+                 int64_t dim, T scale, T* const* dst, bool stream);
+  // acc[r][:dim] += sum_j p[r][j] * v_j over j < n_keys, for r < rows.
+  void (*accumulate_pv)(const T* const* p, int rows, const T* v, int64_t ldv, int64_t n_keys,
+                        int64_t dim, T* const* acc, bool stream);
   // x[j] = exp(x[j] - shift) in place; returns the sum of the new values.
   T (*exp_shift_sum)(T* x, int64_t n, T shift);
   // y[j] = alpha * x[j]; y may be x.
@@ -124,10 +128,10 @@ struct KernelTable {
   void (*widen_bfloat16)(const uint16_t* src, int64_t n, float* dst);  // bfloat16 (top half of a float32)
   // scores and accumulate_pv with keys / values read straight from 16-bit
   // storage, widened in registers ([0] float16, [1] bfloat16; float tables only).
-  void (*scores_16bit[2])(const T* q, const uint16_t* k, int64_t ldk, int64_t n_keys, int64_t dim,
-                          T scale, T* dst, bool stream);
-  void (*accumulate_pv_16bit[2])(const T* p, const uint16_t* v, int64_t ldv, int64_t n_keys,
-                                 int64_t dim, T* acc, bool stream);
+  void (*scores_16bit[2])(const T* const* q, int rows, const uint16_t* k, int64_t ldk,
+                          int64_t n_keys, int64_t dim, T scale, T* const* dst, bool stream);
+  void (*accumulate_pv_16bit[2])(const T* const* p, int rows, const uint16_t* v, int64_t ldv,
+                                 int64_t n_keys, int64_t dim, T* const* acc, bool stream);
 };
 
 const KernelTable<float>& scalar_kernels_f32();

@@ -22,7 +22,7 @@ def sdpa(
     query_lengths: npt.NDArray[np.int64] | None = None,
 ) -> None: ...
 def sdpa_plain(
-    query: object, key: object, value: object, causal: bool
+    query: object, key: object, value: object, causal: bool, enable_gqa: bool = False
 ) -> npt.NDArray[np.floating] | None: ...
 def mha(
     num_heads: int,

@@ -93,6 +93,18 @@ struct Kernels {
   static constexpr int kWideWidth = Vec::kWideVectors * W;  // gemm_wide's panel width
   static constexpr int QT = Vec::kQueryTileVectors * W;  // queries per flash tile
   static constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  // Accumulator vectors of the grouped P.V row kernel: 16 of 32 registers
+  // (AVX-512), 8 of 16.
+  static constexpr int kPvAccumulators = 4 * Vec::kRowGroup;
+  // Keys per sub-block of the row kernels when their rows go in several
+  // groups: each group passes over the sub-block's keys (or values) in turn,
+  // and 16 KiB of them stay in L1 for the next group, where a whole block
+  // (128 keys of 512 bytes: 64 KiB) came from L2 for each.
+  template <typename P>
+  static int64_t row_sub_block(int64_t dim) {
+    const int64_t keys = (16 * 1024) / (dim * int64_t(sizeof(P)) + 1);
+    return keys < 16 ? 16 : keys / 4 * 4;
+  }
 
   // ---- gemm -------------------------------------------------------------
   // One MR x (NV * W) register tile: C tile = init + A(MR rows) . B(K x NV*W).
@@ -416,49 +428,100 @@ struct Kernels {
       return Vec::load_partial(p, n);
   }
 
-  template <Stored kSrc, typename P>
-  static void scores_of(const T* q, const P* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
-                        T* dst, bool stream) {
-    const int64_t ahead = prefetch_distance<P>(stream, dim);
-    // Four keys at a time: each query vector is loaded once for four keys,
-    // and the four horizontal sums at the end overlap instead of chaining.
+  // scores for R query rows against the keys: each key vector is loaded
+  // once for the R rows, and R x 4 sums run side by side (one row's four
+  // chains alone wait on the multiply-add latency). Each (row, key) sum is
+  // taken in the same order whatever R is, so a row's scores do not depend
+  // on the rows it is grouped with.
+  template <Stored kSrc, typename P, int R>
+  static void scores_group(const T* const* q, const P* k, int64_t ldk, int64_t n_keys,
+                           int64_t dim, T scale, T* const* dst, int64_t ahead,
+                           int64_t prefetch_end) {
     int64_t j = 0;
     for (; j + 4 <= n_keys; j += 4) {
-      const P* k0 = k + j * ldk;
-      const P* k1 = k0 + ldk;
-      const P* k2 = k1 + ldk;
-      const P* k3 = k2 + ldk;
-      if (ahead && j + ahead + 4 <= n_keys) prefetch_rows(k0 + ahead * ldk, ldk, 4, dim);
-      V a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+      const P* kr[4] = {k + j * ldk, k + (j + 1) * ldk, k + (j + 2) * ldk, k + (j + 3) * ldk};
+      if (ahead && j + ahead + 4 <= prefetch_end) prefetch_rows(kr[0] + ahead * ldk, ldk, 4, dim);
+      V acc[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) acc[r][u] = Vec::zero();
       int64_t i = 0;
       for (; i + W <= dim; i += W) {
-        const V qi = Vec::load(q + i);
-        a0 = Vec::fmadd(qi, load_stored<kSrc>(k0 + i), a0);
-        a1 = Vec::fmadd(qi, load_stored<kSrc>(k1 + i), a1);
-        a2 = Vec::fmadd(qi, load_stored<kSrc>(k2 + i), a2);
-        a3 = Vec::fmadd(qi, load_stored<kSrc>(k3 + i), a3);
+        V kv[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) kv[u] = load_stored<kSrc>(kr[u] + i);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const V qi = Vec::load(q[r] + i);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) acc[r][u] = Vec::fmadd(qi, kv[u], acc[r][u]);
+        }
       }
       if (i < dim) {
         const int len = static_cast<int>(dim - i);
-        const V qi = Vec::load_partial(q + i, len);
-        a0 = Vec::fmadd(qi, load_stored_partial<kSrc>(k0 + i, len), a0);
-        a1 = Vec::fmadd(qi, load_stored_partial<kSrc>(k1 + i, len), a1);
-        a2 = Vec::fmadd(qi, load_stored_partial<kSrc>(k2 + i, len), a2);
-        a3 = Vec::fmadd(qi, load_stored_partial<kSrc>(k3 + i, len), a3);
+        V kv[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) kv[u] = load_stored_partial<kSrc>(kr[u] + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const V qi = Vec::load_partial(q[r] + i, len);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) acc[r][u] = Vec::fmadd(qi, kv[u], acc[r][u]);
+        }
       }
-      dst[j] = scale * Vec::reduce_add(a0);
-      dst[j + 1] = scale * Vec::reduce_add(a1);
-      dst[j + 2] = scale * Vec::reduce_add(a2);
-      dst[j + 3] = scale * Vec::reduce_add(a3);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * Vec::reduce_add(acc[r][u]);
     }
     for (; j < n_keys; ++j) {
       const P* kj = k + j * ldk;
-      V acc = Vec::zero();
+      V acc[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
       for (int64_t i = 0; i < dim; i += W) {
         const int len = static_cast<int>(min64(W, dim - i));
-        acc = Vec::fmadd(Vec::load_partial(q + i, len), load_stored_partial<kSrc>(kj + i, len), acc);
+        const V kv = load_stored_partial<kSrc>(kj + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r] = Vec::fmadd(Vec::load_partial(q[r] + i, len), kv, acc[r]);
       }
-      dst[j] = scale * Vec::reduce_add(acc);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) dst[r][j] = scale * Vec::reduce_add(acc[r]);
+    }
+  }
+
+  // dst[r][j] = scale * <q[r], k_j> for r < rows, j < n_keys, kRowGroup rows
+  // at a time; only the first group streams the keys (the others find them
+  // in cache). With more rows than one group, the keys go in sub-blocks that
+  // stay in L1 for every group (see row_sub_block).
+  template <Stored kSrc, typename P>
+  static void scores_of(const T* const* q, int rows, const P* k, int64_t ldk, int64_t n_keys,
+                        int64_t dim, T scale, T* const* dst, bool stream) {
+    const int64_t ahead = prefetch_distance<P>(stream, dim);
+    const int64_t sub = rows > Vec::kRowGroup ? row_sub_block<P>(dim) : n_keys;
+    for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
+      const int64_t n = min64(sub, n_keys - j0);
+      const P* k0 = k + j0 * ldk;
+      for (int r0 = 0; r0 < rows; r0 += Vec::kRowGroup) {
+        const int count = imin(rows - r0, Vec::kRowGroup);
+        T* d[Vec::kRowGroup];
+        for (int i = 0; i < count; ++i) d[i] = dst[r0 + i] + j0;
+        const T* const* qg = q + r0;
+        const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
+        switch (count) {
+          case 1: scores_group<kSrc, P, 1>(qg, k0, ldk, n, dim, scale, d, a, end); break;
+          case 2: scores_group<kSrc, P, 2>(qg, k0, ldk, n, dim, scale, d, a, end); break;
+          case 3:
+            if constexpr (Vec::kRowGroup >= 3)
+              scores_group<kSrc, P, 3>(qg, k0, ldk, n, dim, scale, d, a, end);
+            break;
+          default:
+            if constexpr (Vec::kRowGroup >= 4)
+              scores_group<kSrc, P, 4>(qg, k0, ldk, n, dim, scale, d, a, end);
+            break;
+        }
+      }
     }
   }
 
@@ -524,72 +587,163 @@ struct Kernels {
     }
   }
 
-  static void scores(const T* q, const T* k, int64_t ldk, int64_t n_keys, int64_t dim, T scale,
-                     T* dst, bool stream) {
-    scores_of<Stored::kNative>(q, k, ldk, n_keys, dim, scale, dst, stream);
+  static void scores(const T* const* q, int rows, const T* k, int64_t ldk, int64_t n_keys,
+                     int64_t dim, T scale, T* const* dst, bool stream) {
+    scores_of<Stored::kNative>(q, rows, k, ldk, n_keys, dim, scale, dst, stream);
   }
 
-  template <Stored kSrc, typename P>
-  static void accumulate_pv_of(const T* p, const P* v, int64_t ldv, int64_t n_keys, int64_t dim,
-                               T* acc, bool stream) {
-    const int64_t ahead = prefetch_distance<P>(stream, dim);
-    // Up to 8 vectors of the accumulator stay in registers across the keys,
-    // so a value row of up to 8W elements is streamed once.
-    constexpr int kVectors = 8;
+  // accumulate_pv_group's pass over the keys for columns [d0, d0 + NV W) of
+  // the accumulators; v points at column d0 of the first value row.
+  template <Stored kSrc, typename P, int R, int NV>
+  static void accumulate_pv_chunk(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
+                                  T* const* acc, int64_t d0, int64_t ahead, int64_t prefetch_end) {
+    V a[R][NV];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) a[r][u] = Vec::load(acc[r] + d0 + u * W);
+    for (int64_t j = 0; j < n_keys; ++j) {
+      const P* vj = v + j * ldv;
+      if (ahead && j + ahead < prefetch_end) prefetch_rows(vj + ahead * ldv, ldv, 1, NV * W);
+      V vv[NV];
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) vv[u] = load_stored<kSrc>(vj + u * W);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const V pj = Vec::set1(p[r][j]);
+#pragma GCC unroll 16
+        for (int u = 0; u < NV; ++u) a[r][u] = Vec::fmadd(pj, vv[u], a[r][u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) Vec::store(acc[r] + d0 + u * W, a[r][u]);
+  }
+
+  // accumulate_pv for R rows: each value vector is loaded once for the R
+  // rows. Every element takes fma(p_j, v_j, acc) in key order, whatever R
+  // and the chunking: the same sums to the bit.
+  template <Stored kSrc, typename P, int R>
+  static void accumulate_pv_group(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
+                                  int64_t dim, T* const* acc, int64_t ahead, int64_t prefetch_end) {
+    // Up to 8 vectors of one row's accumulator stay in registers across the
+    // keys, so a value row of up to 8W elements is streamed once; R rows
+    // keep kPvAccumulators / R vectors each (the value vectors take most of
+    // the other registers), a pass over the keys per chunk of that many.
+    constexpr int kVectors = R == 1 ? 8 : kPvAccumulators / R;
     constexpr int kChunk = kVectors * W;
-    if (dim > kChunk && dim % W == 0) {
+    if (dim > kChunk && dim % W == 0 && R == 1) {
       // A row longer than the registers hold: rather than one pass over the
       // keys per chunk of the row (each reading part of every row, a strided
       // stream), one pass reading whole rows, two keys at a time, with the
-      // accumulator in L1. Each element still takes fma(p_j, v_j, acc) in key
-      // order, so the sums are the same to the bit.
+      // accumulator in L1.
+      T* acc0 = acc[0];
+      const T* p0v = p[0];
       int64_t j = 0;
       for (; j + 2 <= n_keys; j += 2) {
-        const V p0 = Vec::set1(p[j]), p1 = Vec::set1(p[j + 1]);
+        const V p0 = Vec::set1(p0v[j]), p1 = Vec::set1(p0v[j + 1]);
         const P* v0 = v + j * ldv;
         const P* v1 = v0 + ldv;
-        if (ahead && j + ahead + 2 <= n_keys) prefetch_rows(v0 + ahead * ldv, ldv, 2, dim);
+        if (ahead && j + ahead + 2 <= prefetch_end) prefetch_rows(v0 + ahead * ldv, ldv, 2, dim);
         for (int64_t d = 0; d < dim; d += W) {
-          const V a = Vec::fmadd(p0, load_stored<kSrc>(v0 + d), Vec::load(acc + d));
-          Vec::store(acc + d, Vec::fmadd(p1, load_stored<kSrc>(v1 + d), a));
+          const V a = Vec::fmadd(p0, load_stored<kSrc>(v0 + d), Vec::load(acc0 + d));
+          Vec::store(acc0 + d, Vec::fmadd(p1, load_stored<kSrc>(v1 + d), a));
         }
       }
       if (j < n_keys) {
-        const V pj = Vec::set1(p[j]);
+        const V pj = Vec::set1(p0v[j]);
         const P* vj = v + j * ldv;
         for (int64_t d = 0; d < dim; d += W)
-          Vec::store(acc + d, Vec::fmadd(pj, load_stored<kSrc>(vj + d), Vec::load(acc + d)));
+          Vec::store(acc0 + d, Vec::fmadd(pj, load_stored<kSrc>(vj + d), Vec::load(acc0 + d)));
       }
       return;
     }
     for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
       const int len = static_cast<int>(min64(kChunk, dim - d0));
+      if (len == kChunk) {
+        // A whole chunk: straight-line code, the accumulators in registers
+        // (the general form below keeps them on the stack).
+        accumulate_pv_chunk<kSrc, P, R, kVectors>(p, v + d0, ldv, n_keys, acc, d0, ahead,
+                                                  prefetch_end);
+        continue;
+      }
       const int full = len / W, tail = len % W;
-      V a[kVectors];
-#pragma GCC unroll 8
-      for (int u = 0; u < kVectors; ++u)
-        a[u] = u < full ? Vec::load(acc + d0 + u * W)
-                        : (u == full && tail ? Vec::load_partial(acc + d0 + u * W, tail)
-                                             : Vec::zero());
-      for (int64_t j = 0; j < n_keys; ++j) {
-        const V pj = Vec::set1(p[j]);
-        const P* vj = v + j * ldv + d0;
-        if (ahead && j + ahead < n_keys) prefetch_rows(vj + ahead * ldv, ldv, 1, len);
+      V a[R][kVectors];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
         for (int u = 0; u < kVectors; ++u)
-          if (u < full) a[u] = Vec::fmadd(pj, load_stored<kSrc>(vj + u * W), a[u]);
-        if (tail) a[full] = Vec::fmadd(pj, load_stored_partial<kSrc>(vj + full * W, tail), a[full]);
-      }
+          a[r][u] = u < full ? Vec::load(acc[r] + d0 + u * W)
+                             : (u == full && tail ? Vec::load_partial(acc[r] + d0 + u * W, tail)
+                                                  : Vec::zero());
+      for (int64_t j = 0; j < n_keys; ++j) {
+        const P* vj = v + j * ldv + d0;
+        if (ahead && j + ahead < prefetch_end) prefetch_rows(vj + ahead * ldv, ldv, 1, len);
+        V vv[kVectors];
 #pragma GCC unroll 8
-      for (int u = 0; u < kVectors; ++u)
-        if (u < full) Vec::store(acc + d0 + u * W, a[u]);
-      if (tail) Vec::store_partial(acc + d0 + full * W, a[full], tail);
+        for (int u = 0; u < kVectors; ++u)
+          vv[u] = u < full ? load_stored<kSrc>(vj + u * W)
+                           : (u == full && tail ? load_stored_partial<kSrc>(vj + u * W, tail)
+                                                : Vec::zero());
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const V pj = Vec::set1(p[r][j]);
+#pragma GCC unroll 8
+          for (int u = 0; u < kVectors; ++u)
+            if (u < full || (u == full && tail)) a[r][u] = Vec::fmadd(pj, vv[u], a[r][u]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+        for (int u = 0; u < kVectors; ++u)
+          if (u < full) Vec::store(acc[r] + d0 + u * W, a[r][u]);
+        if (tail) Vec::store_partial(acc[r] + d0 + full * W, a[r][full], tail);
+      }
     }
   }
 
-  static void accumulate_pv(const T* p, const T* v, int64_t ldv, int64_t n_keys, int64_t dim,
-                            T* acc, bool stream) {
-    accumulate_pv_of<Stored::kNative>(p, v, ldv, n_keys, dim, acc, stream);
+  // acc[r][:dim] += sum_j p[r][j] * v_j over j < n_keys for r < rows,
+  // as many rows at a time (up to kRowGroup) as hold a whole value row in
+  // registers, so that each group reads every value row in one pass; only
+  // the first group streams the values (the others find them in cache, in
+  // sub-blocks that stay in L1 where there is more than one group).
+  template <Stored kSrc, typename P>
+  static void accumulate_pv_of(const T* const* p, int rows, const P* v, int64_t ldv,
+                               int64_t n_keys, int64_t dim, T* const* acc, bool stream) {
+    const int64_t ahead = prefetch_distance<P>(stream, dim);
+    const int64_t vectors = (dim + W - 1) / W;
+    const int group = imax(1, imin(Vec::kRowGroup, static_cast<int>(min64(kPvAccumulators, kPvAccumulators / vectors))));
+    const int64_t sub = rows > group ? row_sub_block<P>(dim) : n_keys;
+    for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
+      const int64_t n = min64(sub, n_keys - j0);
+      const P* v0 = v + j0 * ldv;
+      for (int r0 = 0; r0 < rows; r0 += group) {
+        const int count = imin(rows - r0, group);
+        const T* pg[Vec::kRowGroup];
+        for (int i = 0; i < count; ++i) pg[i] = p[r0 + i] + j0;
+        T* const* ag = acc + r0;
+        const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
+        switch (count) {
+          case 1: accumulate_pv_group<kSrc, P, 1>(pg, v0, ldv, n, dim, ag, a, end); break;
+          case 2: accumulate_pv_group<kSrc, P, 2>(pg, v0, ldv, n, dim, ag, a, end); break;
+          case 3:
+            if constexpr (Vec::kRowGroup >= 3)
+              accumulate_pv_group<kSrc, P, 3>(pg, v0, ldv, n, dim, ag, a, end);
+            break;
+          default:
+            if constexpr (Vec::kRowGroup >= 4)
+              accumulate_pv_group<kSrc, P, 4>(pg, v0, ldv, n, dim, ag, a, end);
+            break;
+        }
+      }
+    }
+  }
+
+  static void accumulate_pv(const T* const* p, int rows, const T* v, int64_t ldv,
+                            int64_t n_keys, int64_t dim, T* const* acc, bool stream) {
+    accumulate_pv_of<Stored::kNative>(p, rows, v, ldv, n_keys, dim, acc, stream);
   }
 
   static T exp_shift_sum(T* x, int64_t n, T shift) {

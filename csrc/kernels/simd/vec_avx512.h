@@ -25,6 +25,9 @@ struct Avx512F32 {
   static constexpr bool kColumnMajorTile = true;  // gemm tile for a_row == 1 (ALayout)
   static constexpr int kWideRows = 6, kWideVectors = 4;  // 6 x 4 accumulators
   static constexpr int kQueryTileVectors = 2;            // 32 queries per flash tile
+  // Query rows the row kernels take through a block of keys at once: 4 rows
+  // x 4 keys of accumulators, and the 4 key vectors, stay in 32 registers.
+  static constexpr int kRowGroup = 4;
 
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(T x) { return _mm512_set1_ps(x); }
@@ -165,6 +168,7 @@ struct Avx512F64 {
   static constexpr bool kColumnMajorTile = true;
   static constexpr int kWideRows = 6, kWideVectors = 4;
   static constexpr int kQueryTileVectors = 2;  // 16 queries per flash tile
+  static constexpr int kRowGroup = 4;          // as in Avx512F32
 
   static V zero() { return _mm512_setzero_pd(); }
   static V set1(T x) { return _mm512_set1_pd(x); }

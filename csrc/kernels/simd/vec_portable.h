@@ -58,6 +58,7 @@ struct Portable {
   static constexpr bool kColumnMajorTile = false;
   static constexpr int kWideRows = 2, kWideVectors = 4;
   static constexpr int kQueryTileVectors = 2;  // 16 queries per flash tile
+  static constexpr int kRowGroup = 2;  // query rows the row kernels take at once
   struct V {
     T lane[W];
   };
