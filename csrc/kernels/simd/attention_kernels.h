@@ -471,9 +471,12 @@ struct Kernels {
         }
       }
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) {
+        T sums[4];
+        Vec::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
 #pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * Vec::reduce_add(acc[r][u]);
+        for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * sums[u];
+      }
     }
     for (; j < n_keys; ++j) {
       const P* kj = k + j * ldk;
@@ -661,12 +664,20 @@ struct Kernels {
     }
     for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
       const int len = static_cast<int>(min64(kChunk, dim - d0));
+      // A whole chunk, or half of one (a head dim of 64 in a chunk of 128):
+      // straight-line code, the accumulators in registers (the general form
+      // below keeps them on the stack).
       if (len == kChunk) {
-        // A whole chunk: straight-line code, the accumulators in registers
-        // (the general form below keeps them on the stack).
         accumulate_pv_chunk<kSrc, P, R, kVectors>(p, v + d0, ldv, n_keys, acc, d0, ahead,
                                                   prefetch_end);
         continue;
+      }
+      if constexpr (kVectors % 2 == 0) {
+        if (len == kChunk / 2) {
+          accumulate_pv_chunk<kSrc, P, R, kVectors / 2>(p, v + d0, ldv, n_keys, acc, d0, ahead,
+                                                        prefetch_end);
+          continue;
+        }
       }
       const int full = len / W, tail = len % W;
       V a[R][kVectors];

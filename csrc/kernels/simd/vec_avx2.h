@@ -97,6 +97,15 @@ struct Avx2F32 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // out[0..3] = the sums of a, b, c and d, reduced together (see Avx512F32).
+  static void reduce_add4(V a, V b, V c, V d, T* out) {
+    const V ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const V cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    const __m256d ab2 = _mm256_castps_pd(ab), cd2 = _mm256_castps_pd(cd);
+    const V blocks = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ab2, cd2)),
+                                   _mm256_castpd_ps(_mm256_unpackhi_pd(ab2, cd2)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(blocks), _mm256_extractf128_ps(blocks, 1)));
+  }
   static T reduce_max(V v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -227,6 +236,13 @@ struct Avx2F64 {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
     s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
     return _mm_cvtsd_f64(s);
+  }
+  // out[0..3] = the sums of a, b, c and d, reduced together.
+  static void reduce_add4(V a, V b, V c, V d, T* out) {
+    const V ab = _mm256_add_pd(_mm256_unpacklo_pd(a, b), _mm256_unpackhi_pd(a, b));
+    const V cd = _mm256_add_pd(_mm256_unpacklo_pd(c, d), _mm256_unpackhi_pd(c, d));
+    _mm256_storeu_pd(out, _mm256_add_pd(_mm256_permute2f128_pd(ab, cd, 0x20),
+                                        _mm256_permute2f128_pd(ab, cd, 0x31)));
   }
   static T reduce_max(V v) {
     __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));

@@ -121,6 +121,9 @@ struct Portable {
       for (int i = 0; i < width; ++i) v.lane[i] += v.lane[i + width];
     return v.lane[0];
   }
+  static void reduce_add4(V a, V b, V c, V d, T* out) {
+    out[0] = reduce_add(a), out[1] = reduce_add(b), out[2] = reduce_add(c), out[3] = reduce_add(d);
+  }
   static T reduce_max(V v) {
     T m = v.lane[0];
     for (int i = 1; i < W; ++i) m = v.lane[i] > m ? v.lane[i] : m;
