@@ -304,9 +304,7 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       const KeyStates states = apply_masks(a, b, head[r], row[r], start, n, s);
       open[r] = open[r] || states.any_open;
       // (2) new running max and the rescale of what was accumulated
-      T block_max = kNegInf<T>;
-      for (int64_t j = 0; j < n; ++j) block_max = max_ignoring_nan(block_max, s[j]);
-      const T m_new = max_ignoring_nan(m[r], block_max);
+      const T m_new = max_ignoring_nan(m[r], kt.row_max(s, n));
       const T shift = exp_shift(m_new);
       const T alpha = std::exp(m[r] - shift);
       const T block_sum = kt.exp_shift_sum(s, n, shift);
@@ -410,9 +408,7 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
     }
     std::fill(p + S_read, p + S, T(0));
     const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
-    T row_max = kNegInf<T>;
-    for (int64_t j = 0; j < S_read; ++j) row_max = max_ignoring_nan(row_max, p[j]);
-    const T sum = kt.exp_shift_sum(p, S_read, exp_shift(row_max));
+    const T sum = kt.exp_shift_sum(p, S_read, exp_shift(kt.row_max(p, S_read)));
     std::fill(o, o + Ev, T(0));
     if (!states.any_open) {  // fully masked row
       std::fill(p, p + S_read, T(0));
@@ -865,9 +861,7 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
       std::fill(pr, pr + S_end, T(0));
       continue;
     }
-    T row_max = kNegInf<T>;
-    for (int64_t j = 0; j < S_end; ++j) row_max = max_ignoring_nan(row_max, pr[j]);
-    const T sum = kt.exp_shift_sum(pr, S_end, exp_shift(row_max));
+    const T sum = kt.exp_shift_sum(pr, S_end, exp_shift(kt.row_max(pr, S_end)));
     kt.scale(pr, S_end, T(1) / sum, pr);
     closed_weight[r] = T(0) / sum;
   }

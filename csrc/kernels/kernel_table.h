@@ -94,6 +94,9 @@ struct KernelTable {
                         int64_t dim, T* const* acc, bool stream);
   // x[j] = exp(x[j] - shift) in place; returns the sum of the new values.
   T (*exp_shift_sum)(T* x, int64_t n, T shift);
+  // The largest of x[0..n), NaN ignored (attention/softmax_rules.h); -inf
+  // where there is none.
+  T (*row_max)(const T* x, int64_t n);
   // y[j] = alpha * x[j]; y may be x.
   void (*scale)(const T* x, int64_t n, T alpha, T* y);
   // x[r * ld + j] *= factors[j] for r < rows, j < cols (a multiple of the

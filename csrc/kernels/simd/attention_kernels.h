@@ -757,6 +757,17 @@ struct Kernels {
     accumulate_pv_of<Stored::kNative>(p, rows, v, ldv, n_keys, dim, acc, stream);
   }
 
+  static T row_max(const T* x, int64_t n) {
+    // A lane never holds NaN (max_ignoring_nan keeps the running value), so
+    // the lanes' maximum is the row's; it is the same in any order.
+    V m = Vec::set1(kNegInf);
+    int64_t j = 0;
+    for (; j + W <= n; j += W) m = Vec::max_ignoring_nan(m, Vec::load(x + j));
+    T best = Vec::reduce_max(m);
+    for (; j < n; ++j) best = x[j] > best ? x[j] : best;
+    return best;
+  }
+
   static T exp_shift_sum(T* x, int64_t n, T shift) {
     const V s = Vec::set1(shift);
     V sum = Vec::zero();
@@ -891,7 +902,8 @@ struct Kernels {
   static KernelTable<T> table(const char* name, Isa isa) {
     KernelTable<T> t{name,   isa,  W,      QT,     NR, kWideWidth,
                      gemm,   softmax_tile, add_mask_sums, scores, accumulate_pv,
-                     exp_shift_sum, scale,        scale_columns, all_finite, dot_rows,
+                     exp_shift_sum, row_max,      scale,         scale_columns, all_finite,
+                     dot_rows,
                      pack_transposed, gemm_wide, fma_probe, nullptr, nullptr,
                      {nullptr, nullptr}, {nullptr, nullptr}};
     if constexpr (Vec::kWidens16) {
