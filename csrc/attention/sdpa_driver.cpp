@@ -257,6 +257,33 @@ size_t rows_scratch_size(int64_t E, int64_t Ev) {
   return size_t(kQueryBlock * (kKeyBlock + Ev + 2) + kKeyBlock * (E + Ev));
 }
 
+// The source keys [lo, hi) outside of which the masks close every key of
+// the rows [i0, i0 + rows), where the masks are the same for each of those
+// rows (broadcast over queries, as a key padding mask is, or one row), so
+// that the keys a batch's padding closes need not be computed; otherwise
+// all of [0, mask_cols). A closed key adds nothing to a row (probability 0,
+// its value never read).
+template <typename T>
+Band keys_open_in_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t rows) {
+  const T* mask_rows[kMaxMasks];
+  int64_t steps[kMaxMasks];
+  int count = 0;
+  for (const auto& mask : a.masks) {
+    if (!mask.present()) continue;
+    if (rows > 1 && mask.stride[2] != 0) return {0, a.mask_cols};
+    mask_rows[count] = mask.at(b, h, i0);
+    steps[count++] = mask.stride[3];
+  }
+  Band open{0, a.mask_cols};
+  if (count == 0) return open;
+  const auto closed = [&](int64_t j) {
+    return merged_masks(mask_rows, steps, count, j) == kNegInf<T>;
+  };
+  while (open.lo < open.hi && closed(open.lo)) ++open.lo;
+  while (open.hi > open.lo && closed(open.hi - 1)) --open.hi;
+  return open;
+}
+
 // Row path over keys [j_begin, j_end) for rows [r0, r1) of one (b, key
 // head): row r is query row r % L of query head kv_head * group + r / L, so
 // the query heads that share a key head (grouped-query attention) read each
@@ -295,6 +322,25 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     const Band band = row_band(a, b, row[r]);
     if (!band.empty()) lo = std::min(lo, band.lo), hi = std::max(hi, band.hi);
   }
+  // And that the masks leave open to any of them, in whole blocks: the
+  // kernels' sums over a block's keys (exp_shift_sum, the P.V) group them by
+  // their place in the block, and a block cut at either end would round
+  // differently.
+  Band mask_open{a.mask_cols, 0};
+  for (int64_t r = 0; r < rows; ++r) {
+    const Band open_keys = keys_open_in_masks(a, b, head[r], row[r], 1);
+    if (!open_keys.empty())
+      mask_open.lo = std::min(mask_open.lo, open_keys.lo),
+      mask_open.hi = std::max(mask_open.hi, open_keys.hi);
+  }
+  if (mask_open.lo > j_begin)
+    lo = std::max(lo, j_begin + (mask_open.lo - j_begin) / kKeyBlock * kKeyBlock);
+  if (mask_open.hi <= mask_open.lo)
+    hi = 0;  // every source key closed
+  else if (mask_open.hi > j_begin)
+    hi = std::min(hi, j_begin + (mask_open.hi - j_begin + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
+  else
+    hi = std::min(hi, j_begin);
 
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
   const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
@@ -681,7 +727,14 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   int64_t lo[kMaxTile], hi[kMaxTile];
   bool open[kMaxTile];
   const bool has_masks = tile_bands(a, b, qlen, i0, rows, lo, hi, open);
-  const int64_t keys_lo = lo[0], keys_hi = hi[rows - 1];
+  // Keys that the masks close for every row are skipped as those outside
+  // the band: blocks past the last open key are skipped and the block
+  // holding it cut, which keeps the bits (only terms of 0 go). Before the
+  // first, only whole blocks: the P.V of a block cut at its start would sum
+  // its values in other runs (kSumRun) and round differently.
+  const Band mask_open = keys_open_in_masks(a, b, h, i0, rows);
+  const int64_t keys_lo = std::max(lo[0], mask_open.lo / key_block * key_block);
+  const int64_t keys_hi = std::min(hi[rows - 1], mask_open.hi);
 
   // The query lanes computed: the tile's queries rounded up to whole vectors
   // (the tile of a short sequence, or the last of a longer one, leaves the

@@ -1,0 +1,156 @@
+"""Masks that close the same keys for every query: a batch's padding.
+
+A mask broadcast over the queries (an sdpa mask of shape (N, 1, 1, S), MultiheadAttention's
+key_padding_mask) closes the same keys for every query row, and the kernels skip the keys it
+closes as they skip those outside a causal band. The results must agree with the reference,
+nothing of a closed key (a NaN in its key or value included) may reach an output, and skipping
+must change no bit: the same mask written out for every query row, or with one more key left
+open at a score that no exp can tell from -inf, gives the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import DTYPE_IDS, DTYPES, assert_close, assert_identical, num_threads, ref_mha, ref_sdpa
+
+import attnx
+
+sdpa = attnx.scaled_dot_product_attention
+
+# (B, Hq, Hk, L, S, E): the tile path (many queries), a few rows, decoding steps (one query,
+# keys split across threads when long), grouped-query decoding.
+SHAPES = {
+    "tile": (3, 2, 2, 40, 300, 32),
+    "tile-long": (2, 1, 1, 70, 1300, 16),
+    "rows": (3, 2, 2, 3, 700, 24),
+    "decode": (3, 4, 4, 1, 2600, 64),
+    "gqa-decode": (2, 8, 2, 1, 1100, 32),
+}
+
+
+def _lengths(rng, B, S, side):
+    """Per batch entry, the open keys [start, stop): padding after, before or on both sides."""
+    stop = rng.integers(1, S + 1, size=B)
+    stop[0] = S  # one entry without padding
+    start = np.zeros(B, dtype=np.int64)
+    if side in ("before", "both"):
+        start = rng.integers(0, stop)
+    if side == "before":
+        stop[:] = S
+        start[0] = 0
+    return start, stop
+
+
+def _padding_mask(start, stop, S, dtype, kind):
+    j = np.arange(S)
+    is_open = (j >= start[:, None]) & (j < stop[:, None])  # (B, S)
+    if kind == "bool":
+        return is_open[:, None, None, :]
+    return np.where(is_open, 0.0, -np.inf).astype(dtype)[:, None, None, :]
+
+
+def _inputs(rng, dtype, shape):
+    B, Hq, Hk, L, S, E = shape
+    q = rng.standard_normal((B, Hq, L, E)).astype(dtype) * 2
+    k = rng.standard_normal((B, Hk, S, E)).astype(dtype)
+    v = rng.standard_normal((B, Hk, S, E)).astype(dtype)
+    return q, k, v, {"enable_gqa": True} if Hq != Hk else {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("side", ["after", "before", "both"])
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_padding_matches_reference(rng, dtype, shape, side, kind):
+    q, k, v, gqa = _inputs(rng, dtype, shape)
+    start, stop = _lengths(rng, shape[0], shape[4], side)
+    mask = _padding_mask(start, stop, shape[4], dtype, kind)
+    out = sdpa(q, k, v, attn_mask=mask, **gqa)
+    assert_close(out, ref_sdpa(q, k, v, attn_mask=mask, **gqa), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_closed_keys_are_never_read(rng, dtype, shape):
+    """NaN and inf in the padded keys and values: each entry equals the call on its open keys."""
+    q, k, v, gqa = _inputs(rng, dtype, shape)
+    S = shape[4]
+    start, stop = _lengths(rng, shape[0], S, "both")
+    stop[-1] = start[-1]  # an entry with every key closed: zero rows
+    for b in range(shape[0]):
+        k[b, :, :start[b]] = np.nan
+        v[b, :, stop[b]:] = np.inf
+        v[b, :, :start[b]] = np.nan
+    out = sdpa(q, k, v, attn_mask=_padding_mask(start, stop, S, dtype, "float"), **gqa)
+    for b in range(shape[0]):
+        if stop[b] == start[b]:
+            np.testing.assert_array_equal(out[b], 0)
+            continue
+        kb, vb = k[b : b + 1, :, start[b] : stop[b]], v[b : b + 1, :, start[b] : stop[b]]
+        assert_close(out[b : b + 1], ref_sdpa(q[b : b + 1], kb, vb, **gqa), dtype,
+                     err_msg=f"batch entry {b}, open keys [{start[b]}, {stop[b]})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [SHAPES["tile"], SHAPES["tile-long"]], ids=["tile", "tile-long"])
+def test_skipping_keeps_bits_in_tiles(rng, dtype, shape):
+    """The mask written out for every query row is read a row at a time, and skips nothing."""
+    q, k, v, gqa = _inputs(rng, dtype, shape)
+    B, Hq, _, L, S, _ = shape
+    start, stop = _lengths(rng, B, S, "both")
+    mask = _padding_mask(start, stop, S, dtype, "float")
+    written_out = np.ascontiguousarray(np.broadcast_to(mask, (B, Hq, L, S)))
+    assert_identical(sdpa(q, k, v, attn_mask=mask, **gqa), sdpa(q, k, v, attn_mask=written_out, **gqa))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_skipping_keeps_bits_with_a_last_key_open(rng, dtype, shape):
+    """The first and last keys left open at a score whose exp is 0 keep every key in reach,
+    so that nothing is skipped: no bit moves."""
+    q, k, v, gqa = _inputs(rng, dtype, shape)
+    B, S = shape[0], shape[4]
+    start, stop = _lengths(rng, B, S, "both")  # every entry keeps an open key
+    mask = _padding_mask(start, stop, S, dtype, "float")
+    reaching = mask.copy()
+    ends = reaching[..., [0, S - 1]]
+    reaching[..., [0, S - 1]] = np.where(ends == -np.inf, np.finfo(dtype).min / 2, ends)
+    assert_identical(sdpa(q, k, v, attn_mask=mask, **gqa), sdpa(q, k, v, attn_mask=reaching, **gqa))
+
+
+def test_padding_is_thread_count_independent(rng):
+    q, k, v, _ = _inputs(rng, np.float32, (3, 4, 4, 1, 9000, 64))
+    start, stop = _lengths(rng, 3, 9000, "both")
+    mask = _padding_mask(start, stop, 9000, np.float32, "bool")
+    with num_threads(1):
+        one = sdpa(q, k, v, attn_mask=mask)
+    with num_threads(2):
+        two = sdpa(q, k, v, attn_mask=mask)
+    assert_identical(one, two)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_key_padding_mask(rng, need_weights):
+    """MultiheadAttention's key_padding_mask (broadcast over heads and queries), long padding."""
+    N, L, S, E, H = 3, 20, 400, 32, 4
+    m = attnx.MultiheadAttention(E, H, batch_first=True, dtype=np.float64)
+    m.load_state_dict({name: rng.standard_normal(p.shape) * 0.2 for name, p in m.state_dict().items()})
+    x = rng.standard_normal((N, L, E))
+    mem = rng.standard_normal((N, S, E))
+    start, stop = _lengths(rng, N, S, "both")
+    padding = ~_padding_mask(start, stop, S, np.float64, "bool")[:, 0, 0, :]
+    out, weights = m(x, mem, mem, key_padding_mask=padding, need_weights=need_weights)
+    sd = m.state_dict()
+    ref_out, ref_weights = ref_mha(
+        query=x, key=mem, value=mem, batch_first=True,
+        embed_dim_to_check=E, num_heads=H, in_proj_weight=sd["in_proj_weight"],
+        in_proj_bias=sd["in_proj_bias"], bias_k=None, bias_v=None, add_zero_attn=False,
+        dropout_p=0.0, out_proj_weight=sd["out_proj.weight"], out_proj_bias=sd["out_proj.bias"],
+        training=False, key_padding_mask=padding, need_weights=need_weights,
+    )
+    assert_close(out, ref_out, np.float64)
+    if need_weights:
+        assert_close(weights, ref_weights, np.float64)
+        closed = np.broadcast_to(padding[:, None, :], weights.shape)
+        assert np.all(weights[closed] == 0)
