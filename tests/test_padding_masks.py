@@ -139,6 +139,7 @@ def test_mha_key_padding_mask(rng, need_weights):
     x = rng.standard_normal((N, L, E))
     mem = rng.standard_normal((N, S, E))
     start, stop = _lengths(rng, N, S, "both")
+    stop[-1] = start[-1]  # an entry with every key padded: zero attention, zero weights
     padding = ~_padding_mask(start, stop, S, np.float64, "bool")[:, 0, 0, :]
     out, weights = m(x, mem, mem, key_padding_mask=padding, need_weights=need_weights)
     sd = m.state_dict()
@@ -154,3 +155,27 @@ def test_mha_key_padding_mask(rng, need_weights):
         assert_close(weights, ref_weights, np.float64)
         closed = np.broadcast_to(padding[:, None, :], weights.shape)
         assert np.all(weights[closed] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("average", [True, False])
+def test_weights_keep_bits_when_padding_is_skipped(rng, dtype, average):
+    """need_weights=True: the last key left open at a score whose exp is 0 (so that no key
+    is skipped) gives the same weights and output, to the bit."""
+    N, L, S, E, H = 3, 20, 300, 32, 4
+    m = attnx.MultiheadAttention(E, H, batch_first=True, dtype=dtype, seed=1)
+    x = rng.standard_normal((N, L, E)).astype(dtype)
+    mem = rng.standard_normal((N, S, E)).astype(dtype)
+    start, stop = _lengths(rng, N, S, "both")
+    stop = np.minimum(stop, S - 1)
+    start = np.minimum(start, stop - 1)
+    padding = _padding_mask(start, stop, S, dtype, "float")[:, 0, 0, :]
+    reaching = padding.copy()
+    reaching[:, -1] = np.finfo(dtype).min / 2
+    out, weights = m(x, mem, mem, key_padding_mask=padding, average_attn_weights=average)
+    out_r, weights_r = m(x, mem, mem, key_padding_mask=reaching, average_attn_weights=average)
+    assert_identical(out, out_r)
+    assert_identical(weights, weights_r)
+    closed = padding == -np.inf  # (N, S)
+    closed = closed[:, None, :] if average else closed[:, None, None, :]
+    assert np.all(weights[np.broadcast_to(closed, weights.shape)] == 0)

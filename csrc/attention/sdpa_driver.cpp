@@ -906,9 +906,13 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
   int64_t lo[kMaxTile], hi[kMaxTile];
   bool open[kMaxTile];
   const bool has_masks = tile_bands(a, b, qlen, i0, rows, lo, hi, open);
-  // Keys past the last band end (and not appended) are closed to every row:
-  // not read, weight 0.
-  const int64_t S_end = S > a.mask_cols ? S : std::min(S, hi[rows - 1]);
+  // Keys past the last band end, or past the last key the masks leave open
+  // to any row (a batch's padding), and not appended, are closed to every
+  // row: not read, weight 0. (Only terms of 0 go from the sums: the same
+  // bits.)
+  const Band mask_open = keys_open_in_masks(a, b, h, i0, rows);
+  const int64_t S_end =
+      S > a.mask_cols ? S : std::min({S, hi[rows - 1], mask_open.empty() ? 0 : mask_open.hi});
   const int lanes = static_cast<int>((rows + W - 1) / W) * W;
   kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
