@@ -72,6 +72,25 @@ def test_padding_matches_reference(rng, dtype, shape, side, kind):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_key_bias_with_padding(rng, dtype, shape):
+    """A mask broadcast over queries that adds a bias to its open keys (not 0) and closes the
+    padding: the bias must be added, the padding closed, the bits those of the mask written out
+    for every query row."""
+    q, k, v, gqa = _inputs(rng, dtype, shape)
+    B, Hq, _, L, S, _ = shape
+    start, stop = _lengths(rng, B, S, "both")
+    bias = rng.standard_normal((B, 1, 1, S)).astype(dtype)
+    bias[..., : S // 3] = 0  # zero on some open keys, not on others
+    mask = _padding_mask(start, stop, S, dtype, "float") + bias
+    out = sdpa(q, k, v, attn_mask=mask, **gqa)
+    assert_close(out, ref_sdpa(q, k, v, attn_mask=mask, **gqa), dtype)
+    written_out = np.ascontiguousarray(np.broadcast_to(mask, (B, Hq, L, S)))
+    if L > 1:
+        assert_identical(out, sdpa(q, k, v, attn_mask=written_out, **gqa))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 def test_closed_keys_are_never_read(rng, dtype, shape):
     """NaN and inf in the padded keys and values: each entry equals the call on its open keys."""
     q, k, v, gqa = _inputs(rng, dtype, shape)
@@ -179,3 +198,42 @@ def test_weights_keep_bits_when_padding_is_skipped(rng, dtype, average):
     closed = padding == -np.inf  # (N, S)
     closed = closed[:, None, :] if average else closed[:, None, None, :]
     assert np.all(weights[np.broadcast_to(closed, weights.shape)] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [SHAPES["tile"], SHAPES["tile-long"], SHAPES["rows"]],
+                         ids=["tile", "tile-long", "rows"])
+@pytest.mark.parametrize("window", [(None, 0), (50, 0), (20, 20)], ids=["causal", "left50", "band20"])
+def test_padding_with_a_window(rng, dtype, shape, window):
+    """Padding and a band of keys per query (a sliding window, causal): blocks the band crosses
+    take both."""
+    q, k, v, gqa = _inputs(rng, dtype, shape)
+    start, stop = _lengths(rng, shape[0], shape[4], "both")
+    mask = _padding_mask(start, stop, shape[4], dtype, "float")
+    kw = dict(attn_mask=mask, window=window, **gqa)
+    assert_close(sdpa(q, k, v, **kw), ref_sdpa(q, k, v, **kw), dtype)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("extra", ["bias_kv", "zero_attn"])
+def test_mha_padding_with_appended_keys_and_causal(rng, need_weights, extra):
+    """key_padding_mask with keys appended after the source ones (bias_k/bias_v, a zero key),
+    which the mask does not cover and which stay open, and is_causal."""
+    N, L, E, H = 3, 150, 32, 4
+    m = attnx.MultiheadAttention(E, H, batch_first=True, dtype=np.float64, seed=2,
+                                 add_bias_kv=extra == "bias_kv", add_zero_attn=extra == "zero_attn")
+    x = rng.standard_normal((N, L, E))
+    start, stop = _lengths(rng, N, L, "after")
+    padding = ~_padding_mask(start, stop, L, np.float64, "bool")[:, 0, 0, :]
+    out, weights = m(x, x, x, key_padding_mask=padding, need_weights=need_weights, is_causal=True)
+    sd = m.state_dict()
+    ref_out, ref_weights = ref_mha(
+        query=x, key=x, value=x, batch_first=True, embed_dim_to_check=E, num_heads=H,
+        in_proj_weight=sd["in_proj_weight"], in_proj_bias=sd["in_proj_bias"],
+        bias_k=sd.get("bias_k"), bias_v=sd.get("bias_v"), add_zero_attn=extra == "zero_attn",
+        dropout_p=0.0, out_proj_weight=sd["out_proj.weight"], out_proj_bias=sd["out_proj.bias"],
+        training=False, key_padding_mask=padding, need_weights=need_weights, is_causal=True,
+    )
+    assert_close(out, ref_out, np.float64)
+    if need_weights:
+        assert_close(weights, ref_weights, np.float64)

@@ -257,31 +257,52 @@ size_t rows_scratch_size(int64_t E, int64_t Ev) {
   return size_t(kQueryBlock * (kKeyBlock + Ev + 2) + kKeyBlock * (E + Ev));
 }
 
-// The source keys [lo, hi) outside of which the masks close every key of
-// the rows [i0, i0 + rows), where the masks are the same for each of those
-// rows (broadcast over queries, as a key padding mask is, or one row), so
-// that the keys a batch's padding closes need not be computed; otherwise
-// all of [0, mask_cols). A closed key adds nothing to a row (probability 0,
-// its value never read).
+// The masks of rows [i0, i0 + rows) of (b, h) as one row of keys, where
+// they are the same for each of those rows: broadcast over queries (as a
+// key padding mask is), or a single row. `shared` is false otherwise.
 template <typename T>
-Band keys_open_in_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0, int64_t rows) {
-  const T* mask_rows[kMaxMasks];
+struct SharedMaskRow {
+  const T* rows[kMaxMasks];
   int64_t steps[kMaxMasks];
   int count = 0;
+  bool shared = true;
+  T at(int64_t j) const { return merged_masks(rows, steps, count, j); }
+};
+
+template <typename T>
+SharedMaskRow<T> shared_mask_row(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0,
+                                 int64_t rows) {
+  SharedMaskRow<T> row;
   for (const auto& mask : a.masks) {
     if (!mask.present()) continue;
-    if (rows > 1 && mask.stride[2] != 0) return {0, a.mask_cols};
-    mask_rows[count] = mask.at(b, h, i0);
-    steps[count++] = mask.stride[3];
+    if (rows > 1 && mask.stride[2] != 0) row.shared = false;
+    row.rows[row.count] = mask.at(b, h, i0);
+    row.steps[row.count++] = mask.stride[3];
   }
+  return row;
+}
+
+// The source keys [lo, hi) outside of which the shared masks close every
+// key (a batch's padding), so that those keys need not be computed; all of
+// [0, mask_cols) where the masks are not shared. A closed key adds nothing
+// to a row (probability 0, its value never read).
+template <typename T>
+Band keys_open_in_masks(const SdpaArgs<T>& a, const SharedMaskRow<T>& masks) {
   Band open{0, a.mask_cols};
-  if (count == 0) return open;
-  const auto closed = [&](int64_t j) {
-    return merged_masks(mask_rows, steps, count, j) == kNegInf<T>;
-  };
-  while (open.lo < open.hi && closed(open.lo)) ++open.lo;
-  while (open.hi > open.lo && closed(open.hi - 1)) --open.hi;
+  if (!masks.shared || masks.count == 0) return open;
+  while (open.lo < open.hi && masks.at(open.lo) == kNegInf<T>) ++open.lo;
+  while (open.hi > open.lo && masks.at(open.hi - 1) == kNegInf<T>) --open.hi;
   return open;
+}
+
+// Whether the shared masks add exactly 0 to keys [j0, j0 + n): the open
+// keys of a padding mask, which then need no masking (s + 0 is s).
+template <typename T>
+bool shared_masks_zero(const SharedMaskRow<T>& masks, int64_t j0, int64_t n) {
+  if (!masks.shared) return false;
+  for (int64_t j = j0; j < j0 + n; ++j)
+    if (masks.at(j) != T(0)) return false;
+  return true;
 }
 
 // Row path over keys [j_begin, j_end) for rows [r0, r1) of one (b, key
@@ -328,7 +349,7 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   // differently.
   Band mask_open{a.mask_cols, 0};
   for (int64_t r = 0; r < rows; ++r) {
-    const Band open_keys = keys_open_in_masks(a, b, head[r], row[r], 1);
+    const Band open_keys = keys_open_in_masks(a, shared_mask_row(a, b, head[r], row[r], 1));
     if (!open_keys.empty())
       mask_open.lo = std::min(mask_open.lo, open_keys.lo),
       mask_open.hi = std::max(mask_open.hi, open_keys.hi);
@@ -732,7 +753,8 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   // holding it cut, which keeps the bits (only terms of 0 go). Before the
   // first, only whole blocks: the P.V of a block cut at its start would sum
   // its values in other runs (kSumRun) and round differently.
-  const Band mask_open = keys_open_in_masks(a, b, h, i0, rows);
+  const SharedMaskRow<T> shared_masks = shared_mask_row(a, b, h, i0, rows);
+  const Band mask_open = keys_open_in_masks(a, shared_masks);
   const int64_t keys_lo = std::max(lo[0], mask_open.lo / key_block * key_block);
   const int64_t keys_hi = std::min(hi[rows - 1], mask_open.hi);
 
@@ -789,8 +811,13 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       const int64_t source_end = std::min(start + n, a.mask_cols);
       const bool crosses_band = start < source_end && (start < lo[rows - 1] || source_end > hi[0]);
       bool any_closed = false;
-      if (has_masks || crosses_band)
+      if (has_masks && !crosses_band && start + n <= a.mask_cols &&
+          shared_masks_zero(shared_masks, start, n)) {
+        // Inside a padding mask's open keys: every row of the tile is open.
+        std::fill(open, open + rows, true);
+      } else if (has_masks || crosses_band) {
         any_closed = close_tile(a, kt, b, h, i0, rows, start, n, qt, lo, hi, st, open, mask_scratch);
+      }
       // (3) online softmax
       if (start >= request_from) {
         kt.softmax_tile(st, n, lanes, m, l, alpha, pending);
@@ -910,7 +937,7 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
   // to any row (a batch's padding), and not appended, are closed to every
   // row: not read, weight 0. (Only terms of 0 go from the sums: the same
   // bits.)
-  const Band mask_open = keys_open_in_masks(a, b, h, i0, rows);
+  const Band mask_open = keys_open_in_masks(a, shared_mask_row(a, b, h, i0, rows));
   const int64_t S_end =
       S > a.mask_cols ? S : std::min({S, hi[rows - 1], mask_open.empty() ? 0 : mask_open.hi});
   const int lanes = static_cast<int>((rows + W - 1) / W) * W;
