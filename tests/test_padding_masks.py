@@ -150,14 +150,15 @@ def test_padding_is_thread_count_independent(rng):
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_mha_key_padding_mask(rng, need_weights):
+@pytest.mark.parametrize("side", ["after", "both"])
+def test_mha_key_padding_mask(rng, need_weights, side):
     """MultiheadAttention's key_padding_mask (broadcast over heads and queries), long padding."""
     N, L, S, E, H = 3, 20, 400, 32, 4
     m = attnx.MultiheadAttention(E, H, batch_first=True, dtype=np.float64)
     m.load_state_dict({name: rng.standard_normal(p.shape) * 0.2 for name, p in m.state_dict().items()})
     x = rng.standard_normal((N, L, E))
     mem = rng.standard_normal((N, S, E))
-    start, stop = _lengths(rng, N, S, "both")
+    start, stop = _lengths(rng, N, S, side)  # "after": the first entry without padding
     stop[-1] = start[-1]  # an entry with every key padded: zero attention, zero weights
     padding = ~_padding_mask(start, stop, S, np.float64, "bool")[:, 0, 0, :]
     out, weights = m(x, mem, mem, key_padding_mask=padding, need_weights=need_weights)
@@ -237,3 +238,27 @@ def test_mha_padding_with_appended_keys_and_causal(rng, need_weights, extra):
     assert_close(out, ref_out, np.float64)
     if need_weights:
         assert_close(weights, ref_weights, np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_mha_float_key_padding_with_bias_and_weights(rng, dtype):
+    """A float key_padding_mask that adds a bias to some open keys and closes the padding; with
+    weights."""
+    N, L, S, E, H = 3, 40, 200, 32, 4
+    m = attnx.MultiheadAttention(E, H, batch_first=True, dtype=dtype, seed=4)
+    x = rng.standard_normal((N, L, E)).astype(dtype)
+    mem = rng.standard_normal((N, S, E)).astype(dtype)
+    start, stop = _lengths(rng, N, S, "both")
+    padding = _padding_mask(start, stop, S, dtype, "float")[:, 0, 0, :]
+    padding[:, S // 2 :] += rng.standard_normal((N, S - S // 2)).astype(dtype)
+    out, weights = m(x, mem, mem, key_padding_mask=padding, average_attn_weights=False)
+    sd = m.state_dict()
+    ref_out, ref_weights = ref_mha(
+        query=x, key=mem, value=mem, batch_first=True, embed_dim_to_check=E, num_heads=H,
+        in_proj_weight=sd["in_proj_weight"], in_proj_bias=sd["in_proj_bias"], bias_k=None,
+        bias_v=None, add_zero_attn=False, dropout_p=0.0, out_proj_weight=sd["out_proj.weight"],
+        out_proj_bias=sd["out_proj.bias"], training=False, key_padding_mask=padding,
+        need_weights=True, average_attn_weights=False,
+    )
+    assert_close(out, ref_out, dtype, atol=None if dtype == np.float64 else 2e-6)
+    assert_close(weights, ref_weights, dtype)

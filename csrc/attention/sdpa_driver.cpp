@@ -937,7 +937,8 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
   // to any row (a batch's padding), and not appended, are closed to every
   // row: not read, weight 0. (Only terms of 0 go from the sums: the same
   // bits.)
-  const Band mask_open = keys_open_in_masks(a, shared_mask_row(a, b, h, i0, rows));
+  const SharedMaskRow<T> shared_masks = shared_mask_row(a, b, h, i0, rows);
+  const Band mask_open = keys_open_in_masks(a, shared_masks);
   const int64_t S_end =
       S > a.mask_cols ? S : std::min({S, hi[rows - 1], mask_open.empty() ? 0 : mask_open.hi});
   const int lanes = static_cast<int>((rows + W - 1) / W) * W;
@@ -955,9 +956,13 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
     kt.gemm(n, lanes, E, kb, ldk, 1, q_t, qt, sb, qt, GemmInit::kZero, nullptr);
     const int64_t source_end = std::min(j0 + n, a.mask_cols);
     const bool crosses_band = j0 < source_end && (j0 < lo[rows - 1] || source_end > hi[0]);
-    if (has_masks || crosses_band)
+    if (has_masks && !crosses_band && j0 + n <= a.mask_cols &&
+        shared_masks_zero(shared_masks, j0, n)) {
+      std::fill(open, open + rows, true);  // inside a padding mask's open keys (flash_tile)
+    } else if (has_masks || crosses_band) {
       any_closed = close_tile(a, kt, b, h, i0, rows, j0, n, qt, lo, hi, sb, open, mask_scratch) ||
                    any_closed;
+    }
   }
   // (3) the scores transposed into the rows of the weights (zero past
   // S_end), straight into the weights where their rows are whole vectors
