@@ -262,3 +262,18 @@ def test_mha_float_key_padding_with_bias_and_weights(rng, dtype):
     )
     assert_close(out, ref_out, dtype, atol=None if dtype == np.float64 else 2e-6)
     assert_close(weights, ref_weights, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [SHAPES["gqa-decode"], SHAPES["rows"]], ids=["gqa-decode", "rows"])
+def test_per_head_masks_with_padding(rng, dtype, shape):
+    """Padding with a mask that differs between the query heads read together (a bias on some
+    heads, 0 on the others): each head's own mask applies."""
+    q, k, v, gqa = _inputs(rng, dtype, shape)
+    B, Hq, _, L, S, _ = shape
+    start, stop = _lengths(rng, B, S, "after")
+    bias = rng.standard_normal((B, Hq, 1, S)).astype(dtype)
+    bias[:, ::2] = 0  # even heads: the padding alone
+    mask = _padding_mask(start, stop, S, dtype, "float") + bias
+    out = sdpa(q, k, v, attn_mask=mask, **gqa)
+    assert_close(out, ref_sdpa(q, k, v, attn_mask=mask, **gqa), dtype)

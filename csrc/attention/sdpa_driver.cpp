@@ -148,10 +148,11 @@ T merged_masks(const T* const* rows, const int64_t* steps, int count, int64_t j)
 // Applies the key range and the masks to the scores of query row i against
 // keys [j0, j0 + n). A closed key (outside the row's band, or masks summing
 // to -inf) gets the score -inf by selection, not addition, so that a NaN in
-// its key cannot reach this row.
+// its key cannot reach this row. `masks_zero`: the caller knows the masks
+// add exactly 0 to these keys (s + 0 is s), and they are not read.
 template <typename T>
 KeyStates apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j0,
-                      int64_t n, T* s) {
+                      int64_t n, T* s, bool masks_zero = false) {
   const int64_t end = j0 + n;
   const int64_t masked_end = std::clamp(a.mask_cols, j0, end);  // keys past it are always open
   const Band band = row_band(a, b, i);
@@ -167,7 +168,7 @@ KeyStates apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int
   int count = 0;
   for (const auto& mask : a.masks)
     if (mask.present()) rows[count] = mask.at(b, h, i), steps[count++] = mask.stride[3];
-  if (count == 0) {
+  if (count == 0 || masks_zero) {
     states.any_open = states.any_open || open_end > open_begin;
     return states;
   }
@@ -354,6 +355,16 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       mask_open.lo = std::min(mask_open.lo, open_keys.lo),
       mask_open.hi = std::max(mask_open.hi, open_keys.hi);
   }
+  // Where every row reads the same row of the masks (a padding mask,
+  // broadcast over heads and queries), a block where it adds 0 is not
+  // masked (the flash tile does the same).
+  const SharedMaskRow<T> first_masks = shared_mask_row(a, b, head[0], row[0], 1);
+  bool one_mask_row = first_masks.count > 0;
+  for (int64_t r = 1; r < rows && one_mask_row; ++r) {
+    const SharedMaskRow<T> masks = shared_mask_row(a, b, head[r], row[r], 1);
+    for (int m = 0; m < masks.count; ++m)
+      one_mask_row = one_mask_row && masks.rows[m] == first_masks.rows[m];
+  }
   if (mask_open.lo > j_begin)
     lo = std::max(lo, j_begin + (mask_open.lo - j_begin) / kKeyBlock * kKeyBlock);
   if (mask_open.hi <= mask_open.lo)
@@ -396,9 +407,12 @@ void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     const T* p_plain[kQueryBlock];
     T* acc_plain[kQueryBlock];
     int plain = 0;
+    const bool masks_zero =
+        one_mask_row && start < a.mask_cols &&
+        shared_masks_zero(first_masks, start, std::min(n, a.mask_cols - start));
     for (int64_t r = 0; r < rows; ++r) {
       T* s = s_rows[r];
-      const KeyStates states = apply_masks(a, b, head[r], row[r], start, n, s);
+      const KeyStates states = apply_masks(a, b, head[r], row[r], start, n, s, masks_zero);
       open[r] = open[r] || states.any_open;
       // (2) new running max and the rescale of what was accumulated
       const T m_new = max_ignoring_nan(m[r], kt.row_max(s, n));
