@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention/mask_blocks.h"
 #include "attention/softmax_rules.h"
 #include "attnx/attention.h"
 #include "dispatch/parallel.h"
@@ -730,7 +731,8 @@ bool tile_bands(const SdpaArgs<T>& a, int64_t b, int64_t qlen, int64_t i0, int64
 
 template <typename T>
 void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h, int64_t i0,
-                int64_t key_block, T* scratch, const FiniteRows& finite_values) {
+                int64_t key_block, T* scratch, const FiniteRows& finite_values,
+                const MaskBlockMap<T>& mask_blocks) {
   const int qt = kt.query_tile;
   const int64_t L = a.query.shape[2], S = a.key.shape(2);
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
@@ -767,10 +769,17 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   // holding it cut, which keeps the bits (only terms of 0 go). Before the
   // first, only whole blocks: the P.V of a block cut at its start would sum
   // its values in other runs (kSumRun) and round differently.
+  // So are the blocks that the map of mask blocks finds closed to every row
+  // of the tile (a causal or block mask): those at either end here, those
+  // between as the loop meets them.
   const SharedMaskRow<T> shared_masks = shared_mask_row(a, b, h, i0, rows);
   const Band mask_open = keys_open_in_masks(a, shared_masks);
-  const int64_t keys_lo = std::max(lo[0], mask_open.lo / key_block * key_block);
-  const int64_t keys_hi = std::min(hi[rows - 1], mask_open.hi);
+  const MaskBlock* blocks = mask_blocks.tile(b, h, i0);
+  const auto map_open = blocks ? mask_blocks.open_keys(blocks)
+                               : typename MaskBlockMap<T>::Open{0, a.mask_cols};
+  const int64_t keys_lo =
+      std::max({lo[0], mask_open.lo / key_block * key_block, map_open.lo});
+  const int64_t keys_hi = std::min({hi[rows - 1], mask_open.hi, map_open.hi});
 
   // The query lanes computed: the tile's queries rounded up to whole vectors
   // (the tile of a short sequence, or the last of a longer one, leaves the
@@ -809,6 +818,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     bool first_block = true;
     for (int64_t j0 = c0; j0 < c1; j0 += key_block) {
       int64_t start = j0, n = std::min(key_block, c1 - j0);
+      MaskBlock mask_block = MaskBlock::kMixed;
       if (j0 + n <= a.mask_cols) {
         // Source keys only: a block outside the tile's keys is skipped, one
         // across their ends is cut (causal: the diagonal block).
@@ -816,6 +826,8 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
         const int64_t stop = std::min(j0 + n, keys_hi);
         if (stop <= start) continue;
         n = stop - start;
+        if (blocks) mask_block = blocks[j0 / key_block];
+        if (mask_block == MaskBlock::kClosed) continue;
       }
       // (1) scores
       int64_t ldk, ldv;
@@ -826,8 +838,9 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
       const bool crosses_band = start < source_end && (start < lo[rows - 1] || source_end > hi[0]);
       bool any_closed = false;
       if (has_masks && !crosses_band && start + n <= a.mask_cols &&
-          shared_masks_zero(shared_masks, start, n)) {
-        // Inside a padding mask's open keys: every row of the tile is open.
+          (mask_block == MaskBlock::kZero || shared_masks_zero(shared_masks, start, n))) {
+        // The masks add 0 (a padding mask's open keys, a causal mask's
+        // blocks below the diagonal): every row of the tile is open.
         std::fill(open, open + rows, true);
       } else if (has_masks || crosses_band) {
         any_closed = close_tile(a, kt, b, h, i0, rows, start, n, qt, lo, hi, st, open, mask_scratch);
@@ -920,7 +933,7 @@ size_t weights_tile_scratch_size(int qt, int vector_width, int64_t S, int64_t E,
 
 template <typename T>
 void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                  int64_t i0, int64_t key_block, T* scratch) {
+                  int64_t i0, int64_t key_block, T* scratch, const MaskBlockMap<T>& mask_blocks) {
   const int qt = kt.query_tile, W = kt.vector_width;
   const int64_t Hq = a.query.shape[1], L = a.query.shape[2], S = a.key.shape(2);
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
@@ -951,10 +964,19 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
   // to any row (a batch's padding), and not appended, are closed to every
   // row: not read, weight 0. (Only terms of 0 go from the sums: the same
   // bits.)
+  // Blocks that the map of mask blocks finds closed to every row of the tile
+  // are not computed either: scores -inf, weights 0, values not read.
   const SharedMaskRow<T> shared_masks = shared_mask_row(a, b, h, i0, rows);
   const Band mask_open = keys_open_in_masks(a, shared_masks);
+  const MaskBlock* blocks = mask_blocks.tile(b, h, i0);
+  const int64_t map_end = blocks ? mask_blocks.open_keys(blocks).hi : S;
   const int64_t S_end =
-      S > a.mask_cols ? S : std::min({S, hi[rows - 1], mask_open.empty() ? 0 : mask_open.hi});
+      S > a.mask_cols ? S
+                      : std::min({S, hi[rows - 1], mask_open.empty() ? 0 : mask_open.hi, map_end});
+  // The block of keys [j0, j0 + n) by the map.
+  auto block_at = [&](int64_t j0, int64_t n) {
+    return blocks && j0 + n <= a.mask_cols ? blocks[j0 / key_block] : MaskBlock::kMixed;
+  };
   const int lanes = static_cast<int>((rows + W - 1) / W) * W;
   kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
@@ -964,15 +986,20 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
   bool any_closed = false;  // among the keys read
   for (int64_t j0 = 0; j0 < S_end; j0 += key_block) {
     const int64_t n = std::min(key_block, S_end - j0);
+    T* sb = st + j0 * qt;
+    const MaskBlock mask_block = block_at(j0, n);
+    if (mask_block == MaskBlock::kClosed) {
+      std::fill(sb, sb + n * qt, kNegInf<T>);
+      continue;
+    }
     int64_t ldk;
     const T* kb = keys.rows(j0, n, k_buf, ldk);
-    T* sb = st + j0 * qt;
     kt.gemm(n, lanes, E, kb, ldk, 1, q_t, qt, sb, qt, GemmInit::kZero, nullptr);
     const int64_t source_end = std::min(j0 + n, a.mask_cols);
     const bool crosses_band = j0 < source_end && (j0 < lo[rows - 1] || source_end > hi[0]);
     if (has_masks && !crosses_band && j0 + n <= a.mask_cols &&
-        shared_masks_zero(shared_masks, j0, n)) {
-      std::fill(open, open + rows, true);  // inside a padding mask's open keys (flash_tile)
+        (mask_block == MaskBlock::kZero || shared_masks_zero(shared_masks, j0, n))) {
+      std::fill(open, open + rows, true);  // the masks add 0 (flash_tile)
     } else if (has_masks || crosses_band) {
       any_closed = close_tile(a, kt, b, h, i0, rows, j0, n, qt, lo, hi, sb, open, mask_scratch) ||
                    any_closed;
@@ -1008,26 +1035,30 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
     std::fill(weights_row(r) + closed_end, weights_row(r) + S, T(0));
   }
 
-  // (5) the output: the probabilities times the values
+  // (5) the output: the probabilities times the values (a closed block's
+  // are all 0: it adds nothing)
+  bool first_block = true;
   for (int64_t j0 = 0; j0 < S_end; j0 += key_block) {
     const int64_t n = std::min(key_block, S_end - j0);
+    if (block_at(j0, n) == MaskBlock::kClosed) continue;
     int64_t ldv;
     const T* vb = values.rows(j0, n, v_buf, ldv);
     // A closed key has probability 0, and 0 * NaN would carry a NaN in its
     // value into the row (see accumulate_values).
     if (!any_closed || rows_finite(kt, vb, ldv, n, Ev)) {
       kt.gemm(rows, Ev, n, p + j0, ldp, 1, vb, ldv, o, Ev,
-              j0 == 0 ? GemmInit::kZero : GemmInit::kAccumulate, nullptr);
+              first_block ? GemmInit::kZero : GemmInit::kAccumulate, nullptr);
     } else {
-      if (j0 == 0) std::fill(o, o + qt * Ev, T(0));
+      if (first_block) std::fill(o, o + qt * Ev, T(0));
       for (int64_t r = 0; r < rows; ++r)
         accumulate_values(a, kt, b, h, i0 + r, j0, n, true, p + r * ldp + j0, vb, ldv, Ev,
                           o + r * Ev, false);
     }
+    first_block = false;
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* out = a.out.at(b, h, i0 + r);
-    if (S_end == 0 || !open[r])
+    if (first_block || !open[r])
       std::fill(out, out + Ev, T(0));
     else
       std::copy_n(o + r * Ev, Ev, out);
@@ -1102,6 +1133,8 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   if (tiled && (a.masks[0].present() || a.masks[1].present()) &&
       a.value.storage == Storage::kNative)
     finite_values.take(a, kt, B, Hk, S_read, nthreads);
+  MaskBlockMap<T> mask_blocks;
+  if (tiled || weights_tiled) mask_blocks.build(a, kt, kt.query_tile, key_block, nthreads);
 
   // A head's tasks go to one thread together where there are heads enough
   // to share out: its keys and values are then read into one core's cache,
@@ -1113,9 +1146,9 @@ void sdpa_forward(const SdpaArgs<T>& a) {
     const int64_t b = bh / heads, h = bh % heads;
     const int64_t r0 = qb * rows_per_task, r1 = std::min(rows_per_head, r0 + rows_per_task);
     if (tiled) {
-      flash_tile(a, kt, b, h, r0, key_block, my_scratch, finite_values);
+      flash_tile(a, kt, b, h, r0, key_block, my_scratch, finite_values, mask_blocks);
     } else if (weights_tiled) {
-      weights_tile(a, kt, b, h, r0, key_block, my_scratch);
+      weights_tile(a, kt, b, h, r0, key_block, my_scratch, mask_blocks);
     } else if (a.weights) {
       rows_with_weights(a, kt, b, h, r0, r1, my_scratch);
     } else if (chunks == 1) {

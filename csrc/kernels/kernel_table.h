@@ -41,6 +41,10 @@ struct LineRequests {
   LineRange ranges[2];
 };
 
+// What block_state found in a block of a mask (bits; both for an empty block).
+constexpr int kBlockAllZero = 1;    // every entry is 0 (or -0): adds nothing to a score
+constexpr int kBlockAllClosed = 2;  // every entry is -inf: closes every key
+
 // The rows of x that dot_rows takes through w at once.
 constexpr int kDotRowsMax = 4;
 
@@ -102,6 +106,9 @@ struct KernelTable {
   // x[r * ld + j] *= factors[j] for r < rows, j < cols (a multiple of the
   // vector width): a factor per column, as scale's per row.
   void (*scale_columns)(T* x, int64_t rows, int64_t ld, int64_t cols, const T* factors);
+  // kBlockAllZero and / or kBlockAllClosed as they hold for the rows x cols
+  // entries x[r * ld + c] (NaN is neither); 0 as soon as neither can.
+  int (*block_state)(const T* x, int64_t ld, int64_t rows, int64_t cols);
   // Whether x[0..n) holds no NaN or infinity.
   bool (*all_finite)(const T* x, int64_t n);
   // y[r][j] = <x[r], w_j> for r < rows, j < n, with w's rows ldw apart and

@@ -872,6 +872,33 @@ struct Kernels {
     return Vec::reduce_add(probe) == T(0);
   }
 
+  static int block_state(const T* x, int64_t ld, int64_t rows, int64_t cols) {
+    constexpr uint32_t kAllLanes = (uint32_t(1) << W) - 1;
+    const V zero = Vec::zero(), closed = Vec::set1(kNegInf);
+    // Lanes past a row's end count as both; a row is checked whole, so that
+    // the loop holds no branch but the row's.
+    const int tail = static_cast<int>(cols % W);
+    const uint32_t past_end = tail ? kAllLanes & ~((uint32_t(1) << tail) - 1) : 0;
+    uint32_t all_zero = kAllLanes, all_closed = kAllLanes;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = x + r * ld;
+      int64_t c = 0;
+      for (; c + W <= cols; c += W) {
+        const V v = Vec::load(row + c);
+        all_zero &= Vec::equal_lanes(v, zero);
+        all_closed &= Vec::equal_lanes(v, closed);
+      }
+      if (tail) {
+        const V v = Vec::load_partial(row + c, tail);
+        all_zero &= Vec::equal_lanes(v, zero) | past_end;
+        all_closed &= Vec::equal_lanes(v, closed) | past_end;
+      }
+      if (all_zero != kAllLanes && all_closed != kAllLanes) return 0;
+    }
+    return (all_zero == kAllLanes ? kBlockAllZero : 0) |
+           (all_closed == kAllLanes ? kBlockAllClosed : 0);
+  }
+
   // ---- widening of 16-bit storage (float vectors only) -------------------
   // dst[i] = src[i] widened to float, W at a time; the tail by a partial load
   // and store, so nothing past src[n-1] is read or past dst[n-1] written.
@@ -902,7 +929,8 @@ struct Kernels {
   static KernelTable<T> table(const char* name, Isa isa) {
     KernelTable<T> t{name,   isa,  W,      QT,     NR, kWideWidth,
                      gemm,   softmax_tile, add_mask_sums, scores, accumulate_pv,
-                     exp_shift_sum, row_max,      scale,         scale_columns, all_finite,
+                     exp_shift_sum, row_max,      scale,         scale_columns, block_state,
+                     all_finite,
                      dot_rows,
                      pack_transposed, gemm_wide, fma_probe, nullptr, nullptr,
                      {nullptr, nullptr}, {nullptr, nullptr}};

@@ -121,6 +121,10 @@ struct Avx2F32 {
     const V closed = _mm256_cmp_ps(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm256_blendv_ps(_mm256_add_ps(s, m), m, closed);
   }
+  // Bit i set where lane i of x equals lane i of c (never for a NaN).
+  static uint32_t equal_lanes(V x, V c) {
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x, c, _CMP_EQ_OQ)));
+  }
   // 1 in the lanes where m is -inf, else 0.
   static V closed_indicator(V m) {
     const V closed = _mm256_cmp_ps(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
@@ -257,6 +261,9 @@ struct Avx2F64 {
   static V add_unless_closed(V s, V m) {
     const V closed = _mm256_cmp_pd(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm256_blendv_pd(_mm256_add_pd(s, m), m, closed);
+  }
+  static uint32_t equal_lanes(V x, V c) {
+    return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_cmp_pd(x, c, _CMP_EQ_OQ)));
   }
   static V closed_indicator(V m) {
     const V closed = _mm256_cmp_pd(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);

@@ -96,6 +96,8 @@ struct Avx512F32 {
         _mm512_cmp_ps_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm512_mask_blend_ps(closed, _mm512_add_ps(s, m), m);
   }
+  // Bit i set where lane i of x equals lane i of c (never for a NaN).
+  static uint32_t equal_lanes(V x, V c) { return _mm512_cmp_ps_mask(x, c, _CMP_EQ_OQ); }
   // 1 in the lanes where m is -inf, else 0.
   static V closed_indicator(V m) {
     const __mmask16 closed =
@@ -221,6 +223,7 @@ struct Avx512F64 {
         _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm512_mask_blend_pd(closed, _mm512_add_pd(s, m), m);
   }
+  static uint32_t equal_lanes(V x, V c) { return _mm512_cmp_pd_mask(x, c, _CMP_EQ_OQ); }
   static V closed_indicator(V m) {
     const __mmask8 closed =
         _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);

@@ -140,6 +140,12 @@ struct Portable {
       return m.lane[i] == -std::numeric_limits<T>::infinity() ? m.lane[i] : s.lane[i] + m.lane[i];
     });
   }
+  // Bit i set where lane i of x equals lane i of c (never for a NaN).
+  static uint32_t equal_lanes(V x, V c) {
+    uint32_t bits = 0;
+    for (int i = 0; i < W; ++i) bits |= static_cast<uint32_t>(x.lane[i] == c.lane[i]) << i;
+    return bits;
+  }
   // 1 in the lanes where m is -inf, else 0.
   static V closed_indicator(V m) {
     return map([&](int i) { return m.lane[i] == -std::numeric_limits<T>::infinity() ? T(1) : T(0); });
