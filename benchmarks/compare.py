@@ -125,6 +125,9 @@ class Shape:
     D: int
     causal: bool = False
     memory_bound: bool = False
+    # The causal mask given as an (L, S) float array of 0 / -inf, as model code often passes
+    # it, rather than as a flag: each library then finds the closed keys in the mask.
+    mask_given: bool = False
 
     @property
     def E(self) -> int:
@@ -134,7 +137,8 @@ class Shape:
     def label(self) -> str:
         if self.kind == "mha":
             return f"MHA B{self.B} L{self.L} E{self.E} H{self.H}"
-        tag = " causal" if self.causal else (" decode" if self.memory_bound else "")
+        tag = " causal mask" if self.mask_given else (
+            " causal" if self.causal else (" decode" if self.memory_bound else ""))
         return f"sdpa{tag} B{self.B} H{self.H} L{self.L} S{self.S} D{self.D}"
 
     @property
@@ -166,6 +170,8 @@ SHAPES = (
 EXTRA_SHAPES = (
     Shape("mha-e1024-l1", "mha", B=1, H=16, L=1, S=1, D=64),
     Shape("mha-e768-l64", "mha", B=1, H=12, L=64, S=64, D=64),
+    Shape("causal-mask-l2048", "sdpa", B=1, H=12, L=2048, S=2048, D=64, causal=True,
+          mask_given=True),
 )
 
 
@@ -293,6 +299,9 @@ def setup_attnx(shape: Shape, data, threads: int) -> Bench:
     attnx.set_num_threads(threads)
     if shape.kind == "sdpa":
         q, k, v = data["q"], data["k"], data["v"]
+        if shape.mask_given:
+            mask = causal_additive_mask(shape.L, shape.S, np.float32)
+            return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=shape.causal))
     x = data["x"]
     module_cls = getattr(attnx, "MultiheadAttention", None)
@@ -336,8 +345,12 @@ def setup_torch(shape: Shape, data, threads: int) -> Bench:
         q, k, v = (torch.from_numpy(data[n]) for n in ("q", "k", "v"))
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
+        mask = torch.from_numpy(causal_additive_mask(shape.L, shape.S, np.float32)) if shape.mask_given else None
+
         def run_sdpa():
             with torch.inference_mode():
+                if mask is not None:
+                    return sdpa(q, k, v, attn_mask=mask)
                 return sdpa(q, k, v, is_causal=shape.causal)
 
         return Bench(run_sdpa, to_numpy, note="F.scaled_dot_product_attention, inference_mode")
@@ -370,7 +383,7 @@ def _onnx_model_bytes(shape: Shape, data) -> bytes:
 
     B, L, S, E = shape.B, shape.L, shape.S, shape.E
     attrs = {"num_heads": shape.H}
-    if shape.causal:
+    if shape.causal and not shape.mask_given:
         attrs["unidirectional"] = 1
     f32 = TensorProto.FLOAT
     if shape.kind == "sdpa":
@@ -379,7 +392,11 @@ def _onnx_model_bytes(shape: Shape, data) -> bytes:
             helper.make_tensor_value_info("key", f32, [B, S, E]),
             helper.make_tensor_value_info("value", f32, [B, S, E]),
         ]
-        nodes = [helper.make_node("MultiHeadAttention", ["query", "key", "value"], ["output"], domain="com.microsoft", **attrs)]
+        names = ["query", "key", "value"]
+        if shape.mask_given:  # inputs 3, 4 (bias, key_padding_mask) absent; 5: attention_bias
+            inputs.append(helper.make_tensor_value_info("attention_bias", f32, [1, 1, L, S]))
+            names += ["", "", "attention_bias"]
+        nodes = [helper.make_node("MultiHeadAttention", names, ["output"], domain="com.microsoft", **attrs)]
         initializers = []
     else:
         inputs = [helper.make_tensor_value_info("x", f32, [B, L, E])]
@@ -428,9 +445,12 @@ def setup_onnxruntime(shape: Shape, data, threads: int) -> Bench:
 
     if shape.kind == "sdpa":
         feeds = {"query": _to_bsh(data["q"]), "key": _to_bsh(data["k"]), "value": _to_bsh(data["v"])}
+        if shape.mask_given:
+            feeds["attention_bias"] = causal_additive_mask(shape.L, shape.S, np.float32)[None, None]
         B, H, L, D = shape.B, shape.H, shape.L, shape.D
         to_numpy = lambda out: out.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # noqa: E731
-        note = "com.microsoft.MultiHeadAttention" + (" unidirectional=1" if shape.causal else "")
+        note = "com.microsoft.MultiHeadAttention" + (
+            " attention_bias" if shape.mask_given else " unidirectional=1" if shape.causal else "")
     else:
         feeds = {"x": data["x"]}
         to_numpy = np.asarray
@@ -467,6 +487,10 @@ def _openvino_model(shape: Shape, data, ops, ov):
             ops.parameter([B, H, S, D], f32, name="k"),
             ops.parameter([B, H, S, D], f32, name="v"),
         ]
+        if shape.mask_given:
+            params.append(ops.parameter([L, S], f32, name="mask"))
+            out = ops.scaled_dot_product_attention(*params, causal=False)
+            return ov.Model([out], params, f"sdpa_{shape.name}")
         out = ops.scaled_dot_product_attention(*params, causal=shape.causal)
         return ov.Model([out], params, f"sdpa_{shape.name}")
     x = ops.parameter([B, L, E], f32, name="x")
@@ -497,8 +521,11 @@ def setup_openvino(shape: Shape, data, threads: int) -> Bench:
     compiled = ov.Core().compile_model(_openvino_model(shape, data, ops, ov), "CPU", config)
     request = compiled.create_infer_request()
     names = ("q", "k", "v") if shape.kind == "sdpa" else ("x",)
-    for i, name in enumerate(names):  # inputs bound once, sharing the NumPy memory
-        request.set_input_tensor(i, ov.Tensor(data[name], shared_memory=True))
+    inputs = [data[name] for name in names]
+    if shape.mask_given:
+        inputs.append(causal_additive_mask(shape.L, shape.S, np.float32))
+    for i, array in enumerate(inputs):  # inputs bound once, sharing the NumPy memory
+        request.set_input_tensor(i, ov.Tensor(array, shared_memory=True))
 
     def run():
         request.infer()
@@ -705,7 +732,8 @@ def bench_shape(shape: Shape, libs: list[str], threads: int, opts) -> dict:
         status[name]["gflops"] = shape.flops / (t["median_ms"] / 1e3) / 1e9
     return {
         "shape": {"name": shape.name, "label": shape.label, "kind": shape.kind, "B": shape.B, "H": shape.H,
-                  "L": shape.L, "S": shape.S, "D": shape.D, "E": shape.E, "causal": shape.causal},
+                  "L": shape.L, "S": shape.S, "D": shape.D, "E": shape.E, "causal": shape.causal,
+                  "mask_given": shape.mask_given},
         "flops": shape.flops,
         "bytes_kv": shape.bytes_kv,
         "memory_bound": shape.memory_bound,
