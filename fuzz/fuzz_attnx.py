@@ -424,6 +424,19 @@ def mutate(p: Provider, args: dict, names, n_mut):
     return touched
 
 
+def block_pattern(p: Provider, shape) -> np.ndarray:
+    """A bool pattern (True = open) constant over blocks of rows x keys, as a causal, document
+    or block-sparse mask is: whole blocks of the kernels' tiles then close every key or none."""
+    rows, keys = p.choice([1, 7, 16, 32, 64]), p.choice([1, 16, 32, 64, 100, 256])
+    rng = np.random.default_rng(p.seed())
+    coarse = rng.random(shape[:-2] + (-(-shape[-2] // rows), -(-shape[-1] // keys))) < 0.5
+    fine = np.repeat(np.repeat(coarse, rows, axis=-2), keys, axis=-1)
+    pattern = fine[..., : shape[-2], : shape[-1]]
+    if p.bool():  # and causal on top
+        pattern = pattern & np.tri(shape[-2], shape[-1], dtype=bool)
+    return np.ascontiguousarray(pattern)
+
+
 def fuzz_sdpa(p: Provider):
     dtype = p.choice([F32, F64])
     lead = tuple(p.int(1, 3) for _ in range(p.int(0, 2)))
@@ -440,8 +453,12 @@ def fuzz_sdpa(p: Provider):
         "value": values(p, kbatch + (S, Ev), dtype),
         "attn_mask": None, "is_causal": False, "scale": None, "enable_gqa": group > 1,
     }
-    mask_kind = p.int(0, 3)
-    if mask_kind == 1:
+    mask_kind = p.int(0, 4)
+    if mask_kind == 4:
+        pattern = block_pattern(p, (batch[-1:] if p.bool() else ()) + (L, S))
+        added = p.choice([0.0, 0.0, 0.5, np.nan, np.inf])
+        args["attn_mask"] = pattern if p.bool() else np.where(pattern, added, -np.inf).astype(dtype)
+    elif mask_kind == 1:
         args["attn_mask"] = np.random.default_rng(p.seed()).random(batch[-1:] + (L, S)) < 0.7
     elif mask_kind == 2:
         m = values(p, (L, S), dtype)
@@ -543,7 +560,9 @@ def mha_valid(p: Provider):
     if p.bool(0.4):
         shape = (L, S_src) if p.bool() else (n * H, L, S_src)
         am = np.random.default_rng(p.seed()).random(shape) < 0.3
-        a["attn_mask"] = am if p.bool() else np.where(am, -np.inf, 0.5).astype(dtype)
+        if p.bool():
+            am = ~block_pattern(p, shape)
+        a["attn_mask"] = am if p.bool() else np.where(am, -np.inf, p.choice([0.0, 0.5])).astype(dtype)
     return a
 
 
