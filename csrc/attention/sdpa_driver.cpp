@@ -1130,11 +1130,12 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   // With masks, most query tiles close a key in most blocks, and each then
   // checks that block's values (see flash_tile): the checks are made once.
   FiniteRows finite_values;
-  if (tiled && (a.masks[0].present() || a.masks[1].present()) &&
-      a.value.storage == Storage::kNative)
+  const bool has_masks = a.masks[0].present() || a.masks[1].present();
+  if (tiled && has_masks && a.value.storage == Storage::kNative)
     finite_values.take(a, kt, B, Hk, S_read, nthreads);
   MaskBlockMap<T> mask_blocks;
-  if (tiled || weights_tiled) mask_blocks.build(a, kt, kt.query_tile, key_block, nthreads);
+  if (has_masks && (tiled || weights_tiled))
+    mask_blocks.build(a, kt, kt.query_tile, key_block, nthreads);
 
   // A head's tasks go to one thread together where there are heads enough
   // to share out: its keys and values are then read into one core's cache,
