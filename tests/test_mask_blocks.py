@@ -240,3 +240,23 @@ def test_masks_merge_as_torch_per_block(rng, dtype, need_weights):
     assert np.all(np.isnan(out[0])) and np.all(np.isnan(out[1]))
     if need_weights:
         np.testing.assert_array_equal(np.isnan(weights), np.isnan(ref_weights))
+
+
+@pytest.mark.parametrize("pattern", ["causal-and-padding", "per-head", "documents"])
+@pytest.mark.parametrize("kv", ["gqa", "float16", "plain"])
+def test_grouped_heads_and_16_bit_keys(rng, pattern, kv):
+    """Grouped-query attention (the masks' heads are the query heads) and keys and values
+    stored as float16 (widened a block at a time; a skipped block is never read)."""
+    B, Hq, L, S, E = 2, 4, 150, 300, 64
+    Hk = 2 if kv == "gqa" else Hq
+    q = rng.standard_normal((B, Hq, L, E)).astype(np.float32)
+    k = rng.standard_normal((B, Hk, S, E)).astype(np.float32)
+    v = rng.standard_normal((B, Hk, S, E)).astype(np.float32)
+    if kv == "float16":
+        k, v = k.astype(np.float16), v.astype(np.float16)
+    mask = _float_mask(_pattern(pattern, B, Hq, L, S, rng), np.float32)
+    kwargs = {"enable_gqa": True} if kv == "gqa" else {}
+    out = sdpa(q, k, v, attn_mask=mask, **kwargs)
+    expected = ref_sdpa(q, k, v, attn_mask=mask, **kwargs)
+    assert_close(out, expected, np.float32, atol=_sdpa_atol(v.astype(np.float64), E, np.float32))
+    assert_identical(out, sdpa(q, k, v, attn_mask=_keys_not_contiguous(mask), **kwargs))
