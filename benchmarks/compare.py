@@ -462,6 +462,7 @@ def setup_onnxruntime(shape: Shape, data, threads: int) -> Bench:
     binding.bind_output("output")
 
     def run():
+        assert feeds  # bound zero-copy: the arrays must live as long as the binding
         session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()[0]
 
@@ -528,6 +529,9 @@ def setup_openvino(shape: Shape, data, threads: int) -> Bench:
         request.set_input_tensor(i, ov.Tensor(array, shared_memory=True))
 
     def run():
+        # The tensors share the arrays' memory and do not own it: `inputs` (the mask made
+        # here among them) must live as long as the request.
+        assert inputs
         request.infer()
         return request.get_output_tensor(0).data
 
