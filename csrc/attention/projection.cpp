@@ -219,8 +219,17 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   const int nthreads = threads_for(double(N) * double(L) * double(in) * double(out));
   int64_t row_blocks = (rows_of.count + kManyRowBlock - 1) / kManyRowBlock;
   if (rows_of.sequences == 1) row_blocks = (row_blocks + nthreads - 1) / nthreads * nthreads;
+  // Each thread's static share of the blocks covers the same number of rows
+  // to the row (1024 rows on two threads in blocks cut at multiples of 12
+  // gave one 504 and the other 520: the first then waited 3% of the time);
+  // within a share, blocks start at multiples of 12 rows from its start.
+  const int64_t shares = rows_of.sequences == 1 ? nthreads : 1;
+  const int64_t per_share = row_blocks / shares;
   const auto block_start = [&](int64_t block) {
-    return block == row_blocks ? rows_of.count : block * rows_of.count / row_blocks / 12 * 12;
+    const int64_t share = block / per_share, i = block % per_share;
+    const int64_t first = share * rows_of.count / shares;
+    const int64_t length = (share + 1) * rows_of.count / shares - first;
+    return first + i * length / per_share / 12 * 12;
   };
   const int64_t tasks = rows_of.sequences * row_blocks * panels;
   parallel_for(tasks, nthreads, Schedule::kStatic, [&](int64_t t) {
