@@ -2,7 +2,7 @@
 
 The kernel is chosen once, at import, from ATTNX_ISA, so each kernel runs in a
 subprocess. Sizes straddle what the drivers switch on: the vector width and
-query tile (8, 16, 32 lanes), the key block (32 to 256 keys), the row path
+query tile (8, 16, 32 lanes), the key block (64 to 256 keys), the row path
 (fewer than a quarter tile of queries), the decode chunks (512 keys) and the
 register tile of gemm (4, 6, 12, 16 rows).
 """

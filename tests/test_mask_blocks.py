@@ -2,11 +2,12 @@
 
 An (L, S) or (B, H, L, S) mask -- a causal mask written out, as model code passes it, sliding
 windows, packed documents, causal plus padding -- is classified once a call, a block of query
-tile x key block at a time: a block it closes to every query is skipped, a block where it adds
-0 is not masked, and only the rest is added entry by entry. The results must agree with the
-reference and with a call that classifies nothing (the same mask read with keys that are not
-contiguous), to the bit; a written-out causal mask must give the bits of is_causal; nothing of
-a skipped block (a NaN in its keys or values) may reach an output.
+tile x 16 keys at a time (finer than the key blocks computed): keys it closes to every query
+of a tile are skipped where they fill a key block or end the tile's keys, a key block where it
+adds 0 is not masked, and only the rest is added entry by entry. The results must agree with
+the reference and with a call that classifies nothing (the same mask read with keys that are
+not contiguous), to the bit; a written-out causal mask must give the bits of is_causal; nothing
+of a skipped block (a NaN in its keys or values) may reach an output.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ def _pattern(name, B, H, L, S, rng):
         stop = rng.integers(1, S + 1, size=B)
         stop[0] = S
         return _causal(L, S)[None, None] & (j < stop[:, None, None, None])
+    if name == "fine-runs":
+        # Closed in runs of 16 keys, finer than a key block: a block of keys is computed where
+        # any of its runs is open, and a tile's keys end with its last open run.
+        return _causal(L, S) & ((j // 16) % 3 != 1)
+    if name == "short-documents":
+        doc_q, doc_k = np.arange(L) // 21, np.arange(S) // 21
+        return (doc_q[:, None] == doc_k[None, :]) & _causal(L, S)
     if name == "per-head":
         heads = [_causal(L, S), (i >= 0) & ((j // 64) % 2 == 0),
                  _causal(L, S, True) & (j > i + S - L - 64)]
@@ -85,7 +93,7 @@ def _pattern(name, B, H, L, S, rng):
 
 
 PATTERNS = ["causal", "causal-bottom-right", "window", "documents", "block-sparse",
-            "causal-and-padding", "per-head"]
+            "causal-and-padding", "per-head", "fine-runs", "short-documents"]
 
 
 def _float_mask(is_open, dtype, rng=None):

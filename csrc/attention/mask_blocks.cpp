@@ -27,7 +27,7 @@ MaskBlock merge_states(const int* states, int count) {
 
 template <typename T>
 void MaskBlockMap<T>::build(const SdpaArgs<T>& a, const KernelTable<T>& kt, int query_tile,
-                            int64_t key_block, int threads) {
+                            int threads) {
   const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
   bool any = false, varies_over_queries = false, batch_varies = false, head_varies = false;
   for (const auto& mask : a.masks) {
@@ -42,10 +42,9 @@ void MaskBlockMap<T>::build(const SdpaArgs<T>& a, const KernelTable<T>& kt, int 
   batches_ = batch_varies ? B : 1;
   heads_ = head_varies ? Hq : 1;
   query_tile_ = query_tile;
-  key_block_ = key_block;
   mask_cols_ = a.mask_cols;
   query_tiles_ = (L + query_tile - 1) / query_tile;
-  key_blocks_ = (a.mask_cols + key_block - 1) / key_block;
+  key_blocks_ = (a.mask_cols + kKeys - 1) / kKeys;
   blocks_.resize(size_t(batches_ * heads_ * query_tiles_ * key_blocks_));
   parallel_for(batches_ * heads_ * query_tiles_, threads, Schedule::kStatic, [&](int64_t t) {
     const int64_t slice = t / query_tiles_, i0 = (t % query_tiles_) * query_tile;
@@ -53,7 +52,7 @@ void MaskBlockMap<T>::build(const SdpaArgs<T>& a, const KernelTable<T>& kt, int 
     const int64_t rows = std::min<int64_t>(query_tile, L - i0);
     MaskBlock* out = blocks_.data() + t * key_blocks_;
     for (int64_t k = 0; k < key_blocks_; ++k) {
-      const int64_t j0 = k * key_block, n = std::min(key_block, a.mask_cols - j0);
+      const int64_t j0 = k * kKeys, n = std::min(kKeys, a.mask_cols - j0);
       int states[kMaxMasks];
       int count = 0;
       for (const auto& mask : a.masks) {
@@ -75,12 +74,22 @@ const MaskBlock* MaskBlockMap<T>::tile(int64_t b, int64_t h, int64_t i0) const {
 }
 
 template <typename T>
+MaskBlock MaskBlockMap<T>::state(const MaskBlock* blocks, int64_t start, int64_t stop) const {
+  const int64_t first = start / kKeys, last = (stop + kKeys - 1) / kKeys;
+  const MaskBlock s = blocks[first];
+  if (s == MaskBlock::kMixed) return s;
+  for (int64_t k = first + 1; k < last; ++k)
+    if (blocks[k] != s) return MaskBlock::kMixed;
+  return s;
+}
+
+template <typename T>
 typename MaskBlockMap<T>::Open MaskBlockMap<T>::open_keys(const MaskBlock* blocks) const {
   int64_t first = 0, last = key_blocks_;
   while (first < last && blocks[first] == MaskBlock::kClosed) ++first;
   while (last > first && blocks[last - 1] == MaskBlock::kClosed) --last;
   if (first == last) return {0, 0};
-  return {first * key_block_, std::min(last * key_block_, mask_cols_)};
+  return {first * kKeys, std::min(last * kKeys, mask_cols_)};
 }
 
 template class MaskBlockMap<float>;

@@ -28,16 +28,26 @@ enum class MaskBlock : uint8_t {
 template <typename T>
 class MaskBlockMap {
  public:
-  // Classifies the blocks of query tiles of `query_tile` rows (from row 0 of
-  // each (b, h)) x `key_block` keys (from key 0, up to a.mask_cols). Left
-  // empty where no mask varies over the queries (the shared-row rules of the
-  // tile paths cover those) or a mask's keys are not contiguous.
-  void build(const SdpaArgs<T>& a, const KernelTable<T>& kt, int query_tile, int64_t key_block,
-             int threads);
+  // Keys per block of the map. Finer than the tiles' key blocks (128 and
+  // more), so that a tile's open keys end within 16 of its last open key: a
+  // causal mask's diagonal block is cut there as is_causal cuts it, where a
+  // map of whole key blocks left up to 96 keys of it computed (a causal and
+  // padding (B, 1, L, S) mask, B4 H12 L512: 12% more time).
+  static constexpr int64_t kKeys = 16;
 
-  // The blocks of the query tile starting at row i0 of (b, h), one per key
-  // block; null when the map is empty.
+  // Classifies the blocks of query tiles of `query_tile` rows (from row 0 of
+  // each (b, h)) x kKeys keys (from key 0, up to a.mask_cols). Left empty
+  // where no mask varies over the queries (the shared-row rules of the tile
+  // paths cover those) or a mask's keys are not contiguous.
+  void build(const SdpaArgs<T>& a, const KernelTable<T>& kt, int query_tile, int threads);
+
+  // The blocks of the query tile starting at row i0 of (b, h), one per kKeys
+  // keys; null when the map is empty.
   const MaskBlock* tile(int64_t b, int64_t h, int64_t i0) const;
+
+  // The state of keys [start, stop) (within mask_cols) for the tile of
+  // `blocks`: closed or zero where every block they touch is, else mixed.
+  MaskBlock state(const MaskBlock* blocks, int64_t start, int64_t stop) const;
 
   // The keys [lo, hi) from the first block of `blocks` that is not closed to
   // the end of the last; {0, 0} when every block is closed.
@@ -50,7 +60,7 @@ class MaskBlockMap {
   std::vector<MaskBlock> blocks_;
   int64_t batches_ = 0, heads_ = 0;  // 1 where the masks are broadcast over that dim
   int64_t query_tiles_ = 0, key_blocks_ = 0;
-  int64_t query_tile_ = 0, key_block_ = 0, mask_cols_ = 0;
+  int64_t query_tile_ = 0, mask_cols_ = 0;
 };
 
 }  // namespace attnx

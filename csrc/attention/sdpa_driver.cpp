@@ -643,19 +643,27 @@ bool close_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   return any_closed;
 }
 
-// Keys per block of the tile path. One block's keys and values (E + Ev per
-// key) and its score tile (qt per key) take about 48 KiB: more than an L1
-// of 32 or 48 KiB holds, but each block is streamed from L2 once per query
-// tile, and fewer, longer blocks amortise the per-block work (the online
-// softmax's rescaling, the P.V tile's loads and stores of the accumulator).
-// With E = Ev = 64 and 32 queries in float32, 64 keys ran 3-5% faster than
-// 32 on a Zen 3 (32 KiB L1). keys = 48 KiB / ((E + Ev + qt) * sizeof(T)),
-// a multiple of 16 in [32, 256]. (E = Ev = 64, qt = 32, float: 76 -> 64;
-// E = Ev = 16: 192.)
+// Keys per block of the tile path: at least 128, more for small head dims
+// (keys = 48 KiB / ((E + Ev + qt) * sizeof(T)), a multiple of 16, at most
+// 256: E = Ev = 16, float32: 192). A block's keys, values and score tile
+// come from L2 once per query tile whatever its length, and longer blocks
+// amortise the per-block work (the online softmax's rescaling, the P.V
+// tile's loads and stores of the accumulator). Sized to fit a 48 KiB L1
+// instead, large heads got short blocks and lost to that work: 128 keys
+// against 32 (AVX-512, one core, in-process interleaved runs): D128 L1024
+// -6.5%, D256 -7%, float64 D64 -6%, float64 D128 -10%; D80 against 48 keys
+// -3%; AVX2 D128 -4%. With D64 (64 keys before) it was level within 1%.
+// Calls that may skip blocks (`skips_blocks`: a causal band or window, key
+// or query lengths, or masks, whose closed blocks are skipped) take at least
+// 64 keys instead: blocks of 128 skip too coarsely (block-sparse masks in
+// 64 x 64 blocks took 1.9x the time, documents of 64 tokens 1.16x), and
+// for D64 64 keys were as fast. One rule for all of them keeps the bits the
+// same whichever way a mask is given: written out or broadcast, or as
+// is_causal.
 template <typename T>
-int64_t tile_key_block(int qt, int64_t E, int64_t Ev) {
+int64_t tile_key_block(int qt, int64_t E, int64_t Ev, bool skips_blocks) {
   const int64_t keys = (48 * 1024) / ((E + Ev + qt) * int64_t(sizeof(T)));
-  return std::clamp<int64_t>(keys / 16 * 16, 32, 256);
+  return std::clamp<int64_t>(keys / 16 * 16, skips_blocks ? 64 : 128, 256);
 }
 
 template <typename T>
@@ -778,7 +786,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   const auto map_open = blocks ? mask_blocks.open_keys(blocks)
                                : typename MaskBlockMap<T>::Open{0, a.mask_cols};
   const int64_t keys_lo =
-      std::max({lo[0], mask_open.lo / key_block * key_block, map_open.lo});
+      std::max({lo[0], mask_open.lo / key_block * key_block, map_open.lo / key_block * key_block});
   const int64_t keys_hi = std::min({hi[rows - 1], mask_open.hi, map_open.hi});
 
   // The query lanes computed: the tile's queries rounded up to whole vectors
@@ -826,7 +834,7 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
         const int64_t stop = std::min(j0 + n, keys_hi);
         if (stop <= start) continue;
         n = stop - start;
-        if (blocks) mask_block = blocks[j0 / key_block];
+        if (blocks) mask_block = mask_blocks.state(blocks, start, stop);
         if (mask_block == MaskBlock::kClosed) continue;
       }
       // (1) scores
@@ -975,7 +983,8 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
                       : std::min({S, hi[rows - 1], mask_open.empty() ? 0 : mask_open.hi, map_end});
   // The block of keys [j0, j0 + n) by the map.
   auto block_at = [&](int64_t j0, int64_t n) {
-    return blocks && j0 + n <= a.mask_cols ? blocks[j0 / key_block] : MaskBlock::kMixed;
+    return blocks && j0 + n <= a.mask_cols ? mask_blocks.state(blocks, j0, j0 + n)
+                                           : MaskBlock::kMixed;
   };
   const int lanes = static_cast<int>((rows + W - 1) / W) * W;
   kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
@@ -1114,7 +1123,10 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   const int64_t q_blocks = (rows_per_head + rows_per_task - 1) / rows_per_task;
   const int64_t chunks = grouped ? std::max<int64_t>(1, (S_read + kKeyChunk - 1) / kKeyChunk) : 1;
   const int64_t tasks = B * heads * q_blocks * chunks;
-  const int64_t key_block = tile_key_block<T>(kt.query_tile, E, Ev);
+  const bool skips_blocks = a.masks[0].present() || a.masks[1].present() || a.range.causal ||
+                            a.range.window_left >= 0 || a.range.window_right >= 0 ||
+                            a.range.key_lengths || a.range.query_lengths;
+  const int64_t key_block = tile_key_block<T>(kt.query_tile, E, Ev, skips_blocks);
   const size_t scratch_per_thread =
       tiled           ? tile_scratch_size<T>(kt.query_tile, E, Ev, key_block)
       : weights_tiled ? weights_tile_scratch_size<T>(kt.query_tile, kt.vector_width, S, E, Ev,
@@ -1135,7 +1147,7 @@ void sdpa_forward(const SdpaArgs<T>& a) {
     finite_values.take(a, kt, B, Hk, S_read, nthreads);
   MaskBlockMap<T> mask_blocks;
   if (has_masks && (tiled || weights_tiled))
-    mask_blocks.build(a, kt, kt.query_tile, key_block, nthreads);
+    mask_blocks.build(a, kt, kt.query_tile, nthreads);
 
   // A head's tasks go to one thread together where there are heads enough
   // to share out: its keys and values are then read into one core's cache,
