@@ -666,18 +666,23 @@ int64_t tile_key_block(int qt, int64_t E, int64_t Ev, bool skips_blocks) {
   return std::clamp<int64_t>(keys / 16 * 16, skips_blocks ? 64 : 128, 256);
 }
 
-template <typename T>
-size_t tile_scratch_size(int qt, int64_t E, int64_t Ev, int64_t key_block) {
-  return size_t(E * qt + key_block * qt + 2 * qt * Ev + 5 * qt + key_block +
-                key_block * (E + Ev) + 2 * key_block * qt);
-}
-
 // Keys per accumulation chunk of the tile path. Blocks add into a chunk's
 // accumulator, and chunks into the total: float32 sums then take
 // S / kTileChunk + kTileChunk / key_block steps rather than S / key_block,
 // which kept the error at a few 1e-6 over a million keys (one running sum
 // reached 2e-4 there).
 constexpr int64_t kTileChunk = 1024;
+
+// Query tiles per task of the flash path where a tile's keys span several
+// chunks (see flash_tiles): as many as keep their buffers (queries and
+// accumulators) within kTileGroupBytes, next to a chunk's keys and values
+// in L2, and at most kMaxTileGroup.
+constexpr int64_t kMaxTileGroup = 16;
+constexpr int64_t kTileGroupBytes = 512 * 1024;
+// Tiles are grouped only where a head's keys and values outgrow this:
+// those of 2048 keys of D64 (1 MiB) stay in L2 from one tile to the next,
+// and grouped, the causal B1 H12 L2048 D64 took 1.4% longer.
+constexpr double kTileGroupMinKeyBytes = 1 << 20;
 
 // Asks for every cache line of `rows` rows of `bytes` bytes, `ld` elements
 // apart, at once: the transposing pack then reads them from cache instead of
@@ -737,14 +742,52 @@ bool tile_bands(const SdpaArgs<T>& a, int64_t b, int64_t qlen, int64_t i0, int64
   return has_masks;
 }
 
+// One query tile of the flash path, whose keys may be visited a chunk at a
+// time with other tiles' visits between (see flash_tiles): what a tile
+// keeps from one chunk to the next. Its buffers are in the scratch of the
+// thread that runs it.
 template <typename T>
-void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h, int64_t i0,
-                int64_t key_block, T* scratch, const FiniteRows& finite_values,
-                const MaskBlockMap<T>& mask_blocks) {
+struct FlashTile {
+  int64_t b = 0, h = 0, i0 = 0, rows = 0;
+  int lanes = 0;  // the tile's queries rounded up to whole vectors
+  // Each lane's band; the tile's keys are [keys_lo, keys_hi) of the union.
+  int64_t lo[kMaxTile], hi[kMaxTile];
+  bool open[kMaxTile];
+  bool has_masks = false;
+  SharedMaskRow<T> shared_masks;
+  const MaskBlock* blocks = nullptr;
+  int64_t keys_lo = 0, keys_hi = 0;
+  LineRequests pending;
+  int64_t request_from = 0;
+  bool have_total = false;  // whether o_total and l_total hold a merged chunk
+  T* q_t = nullptr;      // E x qt: the scaled queries, transposed
+  T* o = nullptr;        // qt x Ev: the chunk's accumulator
+  T* o_total = nullptr;  // qt x Ev: the chunks merged so far
+  T* l = nullptr;        // qt: the chunk's sums
+  T* l_total = nullptr;  // qt
+  T* m = nullptr;        // qt: the running max
+};
+
+// Elements of a FlashTile's buffers, and of the scratch its visits share.
+template <typename T>
+size_t flash_tile_buffers_size(int qt, int64_t E, int64_t Ev) {
+  return size_t(E * qt + 2 * qt * Ev + 3 * qt);
+}
+
+template <typename T>
+size_t flash_visit_scratch_size(int qt, int64_t E, int64_t Ev, int64_t key_block) {
+  return size_t(key_block * qt + 2 * qt + key_block + key_block * (E + Ev) + 2 * key_block * qt);
+}
+
+// Sets up the tile starting at query i0 of (b, h): zeroes its padding rows,
+// finds its bands and keys, packs its queries. False when no row is left.
+template <typename T>
+bool begin_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
+                      int64_t i0, int64_t key_block, T* buffers,
+                      const MaskBlockMap<T>& mask_blocks, FlashTile<T>& t) {
   const int qt = kt.query_tile;
   const int64_t L = a.query.shape[2], S = a.key.shape(2);
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
-  const int64_t kv_head = h / (a.query.shape[1] / a.key.shape(1));
   // Padding rows (past the batch's query length) are zero.
   const int64_t tile_rows = std::min<int64_t>(qt, L - i0);
   const int64_t qlen = query_length(a, b);
@@ -753,25 +796,16 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
     T* out = a.out.at(b, h, i0 + r);
     std::fill(out, out + Ev, T(0));
   }
-  if (rows == 0) return;
-  T* q_t = scratch;                 // E x qt
-  T* st = q_t + E * qt;             // key_block x qt
-  T* o = st + key_block * qt;       // qt x Ev
-  T* m = o + qt * Ev;               // qt
-  T* l = m + qt;                    // qt
-  T* alpha = l + qt;                // qt
-  T* p_row = alpha + qt;            // key_block
-  T* o_total = p_row + key_block;   // qt x Ev: the chunks merged so far
-  T* l_total = o_total + qt * Ev;   // qt
-  T* m_start = l_total + qt;        // qt: the running max when the chunk began
-  T* k_buf = m_start + qt;          // key_block x E: widened keys
-  T* v_buf = k_buf + key_block * E; // key_block x Ev: widened values
-  T* mask_scratch = v_buf + key_block * Ev;  // 2 x key_block x qt: masks in the tile's layout
+  if (rows == 0) return false;
+  t.b = b, t.h = h, t.i0 = i0, t.rows = rows;
+  t.q_t = buffers;
+  t.o = t.q_t + E * qt;
+  t.o_total = t.o + qt * Ev;
+  t.l = t.o_total + qt * Ev;
+  t.l_total = t.l + qt;
+  t.m = t.l_total + qt;
 
-  // Each lane's band; the tile's keys are the union [lo[0], hi[rows - 1]).
-  int64_t lo[kMaxTile], hi[kMaxTile];
-  bool open[kMaxTile];
-  const bool has_masks = tile_bands(a, b, qlen, i0, rows, lo, hi, open);
+  t.has_masks = tile_bands(a, b, qlen, i0, rows, t.lo, t.hi, t.open);
   // Keys that the masks close for every row are skipped as those outside
   // the band: blocks past the last open key are skipped and the block
   // holding it cut, which keeps the bits (only terms of 0 go). Before the
@@ -779,141 +813,196 @@ void flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64
   // its values in other runs (kSumRun) and round differently.
   // So are the blocks that the map of mask blocks finds closed to every row
   // of the tile (a causal or block mask): those at either end here, those
-  // between as the loop meets them.
-  const SharedMaskRow<T> shared_masks = shared_mask_row(a, b, h, i0, rows);
-  const Band mask_open = keys_open_in_masks(a, shared_masks);
-  const MaskBlock* blocks = mask_blocks.tile(b, h, i0);
-  const auto map_open = blocks ? mask_blocks.open_keys(blocks)
-                               : typename MaskBlockMap<T>::Open{0, a.mask_cols};
-  const int64_t keys_lo =
-      std::max({lo[0], mask_open.lo / key_block * key_block, map_open.lo / key_block * key_block});
-  const int64_t keys_hi = std::min({hi[rows - 1], mask_open.hi, map_open.hi});
+  // between as the visits meet them.
+  t.shared_masks = shared_mask_row(a, b, h, i0, rows);
+  const Band mask_open = keys_open_in_masks(a, t.shared_masks);
+  t.blocks = mask_blocks.tile(b, h, i0);
+  const auto map_open = t.blocks ? mask_blocks.open_keys(t.blocks)
+                                 : typename MaskBlockMap<T>::Open{0, a.mask_cols};
+  t.keys_lo = std::max(
+      {t.lo[0], mask_open.lo / key_block * key_block, map_open.lo / key_block * key_block});
+  t.keys_hi = std::min({t.hi[rows - 1], mask_open.hi, map_open.hi});
 
   // The query lanes computed: the tile's queries rounded up to whole vectors
   // (the tile of a short sequence, or the last of a longer one, leaves the
   // rest of the query_tile lanes idle).
-  const int lanes = static_cast<int>((rows + kt.vector_width - 1) / kt.vector_width) *
-                    kt.vector_width;
+  t.lanes = static_cast<int>((rows + kt.vector_width - 1) / kt.vector_width) * kt.vector_width;
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
   prefetch_rows(a.query.at(b, h, i0), a.query.stride[2], rows, E * int64_t(sizeof(T)));
-  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
-  std::fill(m, m + qt, kNegInf<T>);
-  bool have_total = false;  // whether o_total and l_total hold a merged chunk
-  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
-  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, t.q_t, qt);
+  std::fill(t.m, t.m + qt, kNegInf<T>);
+  t.have_total = false;
 
   // The lines of this tile's output rows and of the next tile's query rows
   // are requested during the softmax of the last blocks, a line of each per
-  // key, so that the stores of step (5) and the next tile's pack find them in
-  // cache. (B8 H12 L128 D64: each would otherwise cost a burst of 128 misses
-  // per tile that stalls the core; requested, the call took 8% less time on
-  // one Zen 3 core and 11% less on two, median of 10 interleaved runs.)
-  LineRequests pending;
-  pending.ranges[0] = row_lines(a.out.at(b, h, i0), a.out.stride[2], rows, Ev);
-  pending.ranges[1] = next_tile_queries(a, qt, b, h, i0);
-  const int64_t most_lines = std::max(pending.ranges[0].size(), pending.ranges[1].size());
-  const int64_t last_key = S > a.mask_cols ? S : std::min(S, keys_hi);
-  const int64_t request_from = last_key - (most_lines + key_block - 1) / key_block * key_block;
+  // key, so that the stores of finish_flash_tile and the next tile's pack
+  // find them in cache. (B8 H12 L128 D64: each would otherwise cost a burst
+  // of 128 misses per tile that stalls the core; requested, the call took 8%
+  // less time on one Zen 3 core and 11% less on two, median of 10
+  // interleaved runs.)
+  t.pending = LineRequests{};
+  t.pending.ranges[0] = row_lines(a.out.at(b, h, i0), a.out.stride[2], rows, Ev);
+  t.pending.ranges[1] = next_tile_queries(a, qt, b, h, i0);
+  const int64_t most_lines = std::max(t.pending.ranges[0].size(), t.pending.ranges[1].size());
+  const int64_t last_key = S > a.mask_cols ? S : std::min(S, t.keys_hi);
+  t.request_from = last_key - (most_lines + key_block - 1) / key_block * key_block;
+  return true;
+}
 
-  const int64_t chunk = key_block * std::max<int64_t>(1, kTileChunk / key_block);
-  for (int64_t c0 = 0; c0 < S; c0 += chunk) {
-    const int64_t c1 = std::min(S, c0 + chunk);
-    if (c1 <= a.mask_cols && (c1 <= keys_lo || c0 >= keys_hi)) continue;  // outside every band
-    std::fill(l, l + qt, T(0));
-    std::copy_n(m, qt, m_start);
-    // The chunk's first computed block writes o rather than rescaling it
-    // (o is not cleared beforehand).
-    bool first_block = true;
-    for (int64_t j0 = c0; j0 < c1; j0 += key_block) {
-      int64_t start = j0, n = std::min(key_block, c1 - j0);
-      MaskBlock mask_block = MaskBlock::kMixed;
-      if (j0 + n <= a.mask_cols) {
-        // Source keys only: a block outside the tile's keys is skipped, one
-        // across their ends is cut (causal: the diagonal block).
-        start = std::max(j0, keys_lo);
-        const int64_t stop = std::min(j0 + n, keys_hi);
-        if (stop <= start) continue;
-        n = stop - start;
-        if (blocks) mask_block = mask_blocks.state(blocks, start, stop);
-        if (mask_block == MaskBlock::kClosed) continue;
-      }
-      // (1) scores
-      int64_t ldk, ldv;
-      const T* kb = keys.rows(start, n, k_buf, ldk);
-      kt.gemm(n, lanes, E, kb, ldk, 1, q_t, qt, st, qt, GemmInit::kZero, nullptr);
-      // (2) masks; the band rules only where a band end crosses the block
-      const int64_t source_end = std::min(start + n, a.mask_cols);
-      const bool crosses_band = start < source_end && (start < lo[rows - 1] || source_end > hi[0]);
-      bool any_closed = false;
-      if (has_masks && !crosses_band && start + n <= a.mask_cols &&
-          (mask_block == MaskBlock::kZero || shared_masks_zero(shared_masks, start, n))) {
-        // The masks add 0 (a padding mask's open keys, a causal mask's
-        // blocks below the diagonal): every row of the tile is open.
-        std::fill(open, open + rows, true);
-      } else if (has_masks || crosses_band) {
-        any_closed = close_tile(a, kt, b, h, i0, rows, start, n, qt, lo, hi, st, open, mask_scratch);
-      }
-      // (3) online softmax
-      if (start >= request_from) {
-        kt.softmax_tile(st, n, lanes, m, l, alpha, pending);
-        for (LineRange& range : pending.ranges) range.begin = std::min(range.end, range.begin + n);
-      } else {
-        kt.softmax_tile(st, n, lanes, m, l, alpha, LineRequests{});
-      }
-      // (4) accumulate. A closed key has probability 0, and 0 * NaN would
-      // carry a NaN in its value into this row: where keys were closed and
-      // the values are not all finite, accumulate row by row, key by key
-      // (see accumulate_values).
-      const T* vb = values.rows(start, n, v_buf, ldv);
-      if (!any_closed || finite_values.all(b, kv_head, start, n, [&] {
-            return rows_finite(kt, vb, ldv, n, Ev);
-          })) {
-        kt.gemm(rows, Ev, n, st, 1, qt, vb, ldv, o, Ev,
-                first_block ? GemmInit::kZero : GemmInit::kScaleRows, alpha);
-      } else {
-        if (first_block) std::fill(o, o + qt * Ev, T(0));
-        for (int64_t r = 0; r < rows; ++r) {
-          kt.scale(o + r * Ev, Ev, alpha[r], o + r * Ev);
-          for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
-          accumulate_values(a, kt, b, h, i0 + r, start, n, true, p_row, vb, ldv, Ev,
-                            o + r * Ev, false);
-        }
-      }
-      first_block = false;
+// The tile's keys in the chunk [c0, c1): its blocks added into the chunk's
+// accumulator, which is then merged into the total.
+template <typename T>
+void visit_flash_chunk(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile<T>& t,
+                       int64_t c0, int64_t c1, int64_t key_block, T* scratch,
+                       const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks) {
+  if (c1 <= a.mask_cols && (c1 <= t.keys_lo || c0 >= t.keys_hi)) return;  // outside every band
+  const int qt = kt.query_tile;
+  const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
+  const int64_t b = t.b, h = t.h, i0 = t.i0, rows = t.rows;
+  const int64_t kv_head = h / (a.query.shape[1] / a.key.shape(1));
+  T* st = scratch;                  // key_block x qt
+  T* alpha = st + key_block * qt;   // qt
+  T* m_start = alpha + qt;          // qt: the running max when the chunk began
+  T* p_row = m_start + qt;          // key_block
+  T* k_buf = p_row + key_block;     // key_block x E: widened keys
+  T* v_buf = k_buf + key_block * E; // key_block x Ev: widened values
+  T* mask_scratch = v_buf + key_block * Ev;  // 2 x key_block x qt: masks in the tile's layout
+  T* o = t.o;
+  T* l = t.l;
+  T* m = t.m;
+  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
+  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+
+  std::fill(l, l + qt, T(0));
+  std::copy_n(m, qt, m_start);
+  // The chunk's first computed block writes o rather than rescaling it
+  // (o is not cleared beforehand).
+  bool first_block = true;
+  for (int64_t j0 = c0; j0 < c1; j0 += key_block) {
+    int64_t start = j0, n = std::min(key_block, c1 - j0);
+    MaskBlock mask_block = MaskBlock::kMixed;
+    if (j0 + n <= a.mask_cols) {
+      // Source keys only: a block outside the tile's keys is skipped, one
+      // across their ends is cut (causal: the diagonal block).
+      start = std::max(j0, t.keys_lo);
+      const int64_t stop = std::min(j0 + n, t.keys_hi);
+      if (stop <= start) continue;
+      n = stop - start;
+      if (t.blocks) mask_block = mask_blocks.state(t.blocks, start, stop);
+      if (mask_block == MaskBlock::kClosed) continue;
     }
-    if (first_block) continue;  // no key of the chunk was in a band: nothing to merge
-    // Merge the chunk: the total was accumulated against the max m_start, the
-    // chunk against the max m, so the total is rescaled by e^(m_start - m).
-    // The first chunk is the total (with an empty total, the merge would give
-    // the same numbers), so its buffers are swapped in rather than copied.
-    if (!have_total) {
-      std::swap(o, o_total);
-      std::swap(l, l_total);
-      have_total = true;
-      continue;
+    // (1) scores
+    int64_t ldk, ldv;
+    const T* kb = keys.rows(start, n, k_buf, ldk);
+    kt.gemm(n, t.lanes, E, kb, ldk, 1, t.q_t, qt, st, qt, GemmInit::kZero, nullptr);
+    // (2) masks; the band rules only where a band end crosses the block
+    const int64_t source_end = std::min(start + n, a.mask_cols);
+    const bool crosses_band =
+        start < source_end && (start < t.lo[rows - 1] || source_end > t.hi[0]);
+    bool any_closed = false;
+    if (t.has_masks && !crosses_band && start + n <= a.mask_cols &&
+        (mask_block == MaskBlock::kZero || shared_masks_zero(t.shared_masks, start, n))) {
+      // The masks add 0 (a padding mask's open keys, a causal mask's
+      // blocks below the diagonal): every row of the tile is open.
+      std::fill(t.open, t.open + rows, true);
+    } else if (t.has_masks || crosses_band) {
+      any_closed =
+          close_tile(a, kt, b, h, i0, rows, start, n, qt, t.lo, t.hi, st, t.open, mask_scratch);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const T rescale = std::exp(m_start[r] - exp_shift(m[r]));
-      T* total = o_total + r * Ev;
-      const T* part = o + r * Ev;
-      for (int64_t d = 0; d < Ev; ++d) total[d] = total[d] * rescale + part[d];
-      l_total[r] = l_total[r] * rescale + l[r];
+    // (3) online softmax
+    if (start >= t.request_from) {
+      kt.softmax_tile(st, n, t.lanes, m, l, alpha, t.pending);
+      for (LineRange& range : t.pending.ranges) range.begin = std::min(range.end, range.begin + n);
+    } else {
+      kt.softmax_tile(st, n, t.lanes, m, l, alpha, LineRequests{});
     }
+    // (4) accumulate. A closed key has probability 0, and 0 * NaN would
+    // carry a NaN in its value into this row: where keys were closed and
+    // the values are not all finite, accumulate row by row, key by key
+    // (see accumulate_values).
+    const T* vb = values.rows(start, n, v_buf, ldv);
+    if (!any_closed || finite_values.all(b, kv_head, start, n, [&] {
+          return rows_finite(kt, vb, ldv, n, Ev);
+        })) {
+      kt.gemm(rows, Ev, n, st, 1, qt, vb, ldv, o, Ev,
+              first_block ? GemmInit::kZero : GemmInit::kScaleRows, alpha);
+    } else {
+      if (first_block) std::fill(o, o + qt * Ev, T(0));
+      for (int64_t r = 0; r < rows; ++r) {
+        kt.scale(o + r * Ev, Ev, alpha[r], o + r * Ev);
+        for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
+        accumulate_values(a, kt, b, h, i0 + r, start, n, true, p_row, vb, ldv, Ev, o + r * Ev,
+                          false);
+      }
+    }
+    first_block = false;
   }
-  // (5) normalise. A query with open keys whose scores were all -inf (an Inf
-  // in the inputs) has l = 0 and gives 0/0 = NaN.
-  if (!have_total) {
-    std::fill(o_total, o_total + qt * Ev, T(0));
-    std::fill(l_total, l_total + qt, T(0));
+  if (first_block) return;  // no key of the chunk was in a band: nothing to merge
+  // Merge the chunk: the total was accumulated against the max m_start, the
+  // chunk against the max m, so the total is rescaled by e^(m_start - m).
+  // The first chunk is the total (with an empty total, the merge would give
+  // the same numbers), so its buffers are swapped in rather than copied.
+  if (!t.have_total) {
+    std::swap(t.o, t.o_total);
+    std::swap(t.l, t.l_total);
+    t.have_total = true;
+    return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    T* out = a.out.at(b, h, i0 + r);
-    if (!open[r]) {
+    const T rescale = std::exp(m_start[r] - exp_shift(m[r]));
+    T* total = t.o_total + r * Ev;
+    const T* part = o + r * Ev;
+    for (int64_t d = 0; d < Ev; ++d) total[d] = total[d] * rescale + part[d];
+    t.l_total[r] = t.l_total[r] * rescale + l[r];
+  }
+}
+
+// (5) normalise. A query with open keys whose scores were all -inf (an Inf
+// in the inputs) has l = 0 and gives 0/0 = NaN.
+template <typename T>
+void finish_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile<T>& t) {
+  const int qt = kt.query_tile;
+  const int64_t Ev = a.value.shape(3);
+  if (!t.have_total) {
+    std::fill(t.o_total, t.o_total + qt * Ev, T(0));
+    std::fill(t.l_total, t.l_total + qt, T(0));
+  }
+  for (int64_t r = 0; r < t.rows; ++r) {
+    T* out = a.out.at(t.b, t.h, t.i0 + r);
+    if (!t.open[r]) {
       std::fill(out, out + Ev, T(0));
     } else {
-      kt.scale(o_total + r * Ev, Ev, T(1) / l_total[r], out);
+      kt.scale(t.o_total + r * Ev, Ev, T(1) / t.l_total[r], out);
     }
   }
+}
+
+// `count` consecutive query tiles of (b, h) from query i0, visited a chunk
+// of keys at a time: each chunk's keys and values are read from memory into
+// L2 once for all the tiles, where one tile at a time through all its keys
+// read every chunk again for each tile (once the keys and values of a head
+// outgrow L2: S = 4096, D64 is 2 MiB). Each tile sums the same blocks in the
+// same order either way: the same bits.
+template <typename T>
+void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
+                 int64_t i0, int64_t count, int64_t key_block, T* scratch,
+                 const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks) {
+  const int qt = kt.query_tile;
+  const int64_t S = a.key.shape(2), E = a.query.shape[3], Ev = a.value.shape(3);
+  const size_t buffers = flash_tile_buffers_size<T>(qt, E, Ev);
+  T* visit_scratch = scratch + size_t(count) * buffers;
+  FlashTile<T> tiles[kMaxTileGroup];
+  int64_t begun = 0;
+  for (int64_t i = 0; i < count; ++i)
+    if (begin_flash_tile(a, kt, b, h, i0 + i * qt, key_block, scratch + size_t(begun) * buffers,
+                         mask_blocks, tiles[begun]))
+      ++begun;
+  const int64_t chunk = key_block * std::max<int64_t>(1, kTileChunk / key_block);
+  for (int64_t c0 = 0; c0 < S; c0 += chunk)
+    for (int64_t i = 0; i < begun; ++i)
+      visit_flash_chunk(a, kt, tiles[i], c0, std::min(S, c0 + chunk), key_block, visit_scratch,
+                        finite_values, mask_blocks);
+  for (int64_t i = 0; i < begun; ++i) finish_flash_tile(a, kt, tiles[i]);
 }
 
 // The weights path (need_weights) a tile of queries at a time, against all
@@ -1122,13 +1211,26 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   const int64_t rows_per_task = tiled || weights_tiled ? kt.query_tile : kQueryBlock;
   const int64_t q_blocks = (rows_per_head + rows_per_task - 1) / rows_per_task;
   const int64_t chunks = grouped ? std::max<int64_t>(1, (S_read + kKeyChunk - 1) / kKeyChunk) : 1;
-  const int64_t tasks = B * heads * q_blocks * chunks;
   const bool skips_blocks = a.masks[0].present() || a.masks[1].present() || a.range.causal ||
                             a.range.window_left >= 0 || a.range.window_right >= 0 ||
                             a.range.key_lengths || a.range.query_lengths;
   const int64_t key_block = tile_key_block<T>(kt.query_tile, E, Ev, skips_blocks);
+  // Query tiles per task (flash_tiles): several where each tile's keys span
+  // several chunks, with tasks enough left to share out; the bits do not
+  // depend on it.
+  int64_t group = 1;
+  if (tiled && S_read > kTileChunk &&
+      double(S_read) * double(E + Ev) * sizeof(T) > kTileGroupMinKeyBytes) {
+    const size_t buffer_bytes = flash_tile_buffers_size<T>(kt.query_tile, E, Ev) * sizeof(T);
+    group = std::clamp<int64_t>(int64_t(kTileGroupBytes / buffer_bytes), 1, kMaxTileGroup);
+    group = std::min({group, q_blocks,
+                      std::max<int64_t>(1, B * heads * q_blocks / (4 * int64_t(nthreads)))});
+  }
+  const int64_t q_groups = (q_blocks + group - 1) / group;
+  const int64_t tasks = B * heads * q_groups * chunks;
   const size_t scratch_per_thread =
-      tiled           ? tile_scratch_size<T>(kt.query_tile, E, Ev, key_block)
+      tiled           ? size_t(group) * flash_tile_buffers_size<T>(kt.query_tile, E, Ev) +
+                            flash_visit_scratch_size<T>(kt.query_tile, E, Ev, key_block)
       : weights_tiled ? weights_tile_scratch_size<T>(kt.query_tile, kt.vector_width, S, E, Ev,
                                                      key_block)
       : a.weights     ? size_t(kKeyBlock * (E + Ev))
@@ -1152,14 +1254,16 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   // A head's tasks go to one thread together where there are heads enough
   // to share out: its keys and values are then read into one core's cache,
   // not into each core's.
-  const int64_t grain = B * heads >= 4 * nthreads ? q_blocks * chunks : 1;
+  const int64_t grain = B * heads >= 4 * nthreads ? q_groups * chunks : 1;
   parallel_for(tasks, nthreads, Schedule::kDynamic, [&](int64_t t) {
     T* my_scratch = scratch + current_thread() * scratch_per_thread;
-    const int64_t c = t % chunks, qb = (t / chunks) % q_blocks, bh = t / (chunks * q_blocks);
+    const int64_t c = t % chunks, qg = (t / chunks) % q_groups, bh = t / (chunks * q_groups);
     const int64_t b = bh / heads, h = bh % heads;
+    const int64_t qb = qg * group;
     const int64_t r0 = qb * rows_per_task, r1 = std::min(rows_per_head, r0 + rows_per_task);
     if (tiled) {
-      flash_tile(a, kt, b, h, r0, key_block, my_scratch, finite_values, mask_blocks);
+      flash_tiles(a, kt, b, h, r0, std::min(group, q_blocks - qb), key_block, my_scratch,
+                  finite_values, mask_blocks);
     } else if (weights_tiled) {
       weights_tile(a, kt, b, h, r0, key_block, my_scratch, mask_blocks);
     } else if (a.weights) {
