@@ -166,12 +166,17 @@ SHAPES = (
     Shape("mha-e64", "mha", B=1, H=4, L=16, S=16, D=16),
 )
 # Run only when named: a BERT-sized layer on one token (projections of one
-# row: reading the weights is the work) and on a short sequence.
+# row: reading the weights is the work) and on a short sequence; a causal
+# mask given as an array; long sequences and wide heads.
 EXTRA_SHAPES = (
     Shape("mha-e1024-l1", "mha", B=1, H=16, L=1, S=1, D=64),
     Shape("mha-e768-l64", "mha", B=1, H=12, L=64, S=64, D=64),
     Shape("causal-mask-l2048", "sdpa", B=1, H=12, L=2048, S=2048, D=64, causal=True,
           mask_given=True),
+    # Heads whose keys and values outgrow L2 (2 MiB and 4 MiB a head), and wide heads.
+    Shape("l8192", "sdpa", B=1, H=2, L=8192, S=8192, D=64),
+    Shape("d128-l2048", "sdpa", B=1, H=8, L=2048, S=2048, D=128),
+    Shape("d256-l512", "sdpa", B=1, H=8, L=512, S=512, D=256),
 )
 
 
