@@ -240,6 +240,31 @@ def test_self_attention_equals_copied_inputs(rng, L, N, layout, in_bias, need_we
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
+@pytest.mark.parametrize("L,N", [(40, 1), (100, 2), (200, 1)])
+def test_self_attention_with_large_weights_equals_copied_inputs(rng, L, N, need_weights, dtype):
+    # With weights of a MiB or more and not many rows, the three projections of
+    # self-attention run as one, computed transposed (y^T = w . x^T), where the
+    # same values in three arrays take three projections with packed weights (E = 384:
+    # [w_q; w_k; w_v] is 1.7 MiB in float32, each alone 0.6 MiB): the same bits, with
+    # and without a key padding mask, on any thread count.
+    args = mha_args(rng, L=L, S=L, N=N, E=384, H=6, dtype=dtype, need_weights=need_weights,
+                    batch_first=True)
+    x = args["query"]
+    kpm = rng.random((N, L)) < 0.2
+    kpm[:, 0] = False
+    for mask in (None, kpm):
+        self_args = {**args, "key": x, "value": x, "key_padding_mask": mask}
+        out, w = check(self_args)
+        out_copied, w_copied = mha(**{**self_args, "key": x.copy(), "value": x.copy()})
+        assert_identical(out, out_copied)
+        if need_weights:
+            assert_identical(w, w_copied)
+        with num_threads(3):
+            assert_identical(out, mha(**self_args)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
 def test_self_attention_on_strided_views(rng, batch_first, dtype):
     # The same on views whose rows are not evenly spaced, or not in order.

@@ -101,15 +101,19 @@ bool same_view(const StridedView<T, Rank>& a, const StridedView<T, Rank>& b) {
 // self-attention (query, key and value the same array) with the weights,
 // and the biases if any, stacked in memory as in torch's in_proj_weight,
 // nothing appended to or replacing the keys, and rows few enough that each
-// projection copies the input: one call then makes one copy instead of three
-// and allocates once (MHA B1 L16 E64 H4, one thread: 7.4 -> 7.0 us). The
+// projection copies the input, or that the stacked one is computed
+// transposed: one call then transposes the input once instead of three
+// times, runs one parallel region and allocates once (MHA B1 L16 E64 H4,
+// one thread: 7.4 -> 7.0 us; two threads, in-process interleaved runs: B1
+// L64 E768 H12 -2.6%, B1 L200 E1024 H16 -5.4%). The
 // numbers are the same: each output is the same sum in the same order. (With
-// more rows the projection was no faster as one, and the attention, reading
-// q, k and v from rows of 3E, 3% slower: B8 L128 E768.)
+// more rows, packed weights, the projection was no faster as one, and the
+// attention, reading q, k and v from rows of 3E, 3% slower: B8 L128 E768.)
 template <typename T>
 bool stacked_self_projection(const MhaArgs<T>& a) {
-  const int64_t E = a.w_q.rows;
-  if (!linear_copies_input<T>(a.query.shape[0] * a.query.shape[1])) return false;
+  const int64_t E = a.w_q.rows, rows = a.query.shape[0] * a.query.shape[1];
+  if (!linear_copies_input<T>(rows) && !linear_transposes<T>(rows, 3 * E, a.w_q.cols))
+    return false;
   const bool plain_keys = !a.static_k.present() && !a.static_v.present() && !a.bias_k &&
                           !a.bias_v && !a.add_zero_attn;
   const bool self = same_view(a.key, a.query) && same_view(a.value, a.query);

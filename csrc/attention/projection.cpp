@@ -51,6 +51,14 @@ constexpr double kTransposedBytesPerRow = 8192;
 // either way.
 constexpr int64_t kPanelBlockBytes = 256 * 1024;
 constexpr int64_t kMinKBlock = 64;
+// The transposes of the y^T = w . x^T form go in blocks of kTransposeBlock
+// columns of their source, one task each, where they are large enough to
+// share out: an element transposed costs about as much time as
+// kTransposeWork multiply-adds (x 64 x 768: 13 us on one Xeon core). Done
+// on the calling thread alone, they had left the other thread waiting for
+// 13% of a BERT-sized layer's time on 64 tokens (two threads).
+constexpr int64_t kTransposeBlock = 64;
+constexpr double kTransposeWork = 32;
 
 // The distance between consecutive rows (n, l) of v in row-major order when
 // they are evenly spaced, else -1 (a single row: 0).
@@ -94,6 +102,15 @@ bool linear_copies_input(int64_t rows) {
 }
 
 template <typename T>
+bool linear_transposes(int64_t rows, int64_t out, int64_t in) {
+  const double w_bytes = double(out) * double(in) * sizeof(T);
+  const bool transposed_pays = w_bytes >= kTransposedMinWeightBytes &&
+                               rows <= kTransposedRowsMax &&
+                               double(rows) * kTransposedBytesPerRow <= w_bytes;
+  return rows > kDotRowsMax && (linear_copies_input<T>(rows) || transposed_pays);
+}
+
+template <typename T>
 int64_t transposed_lanes(int64_t rows) {
   const int64_t w = active_kernels(T()).vector_width;
   return (rows + w - 1) / w * w;
@@ -105,8 +122,16 @@ void transpose_input(const StridedView<const T, 3>& x, int64_t lanes, T* xt) {
   const int64_t L = x.shape[1], rows = x.shape[0] * L, in = x.shape[2];
   const int64_t spacing = even_row_spacing(x);
   if (spacing >= 0) {
-    // W x W blocks at a time in registers.
-    kt.pack_transposed(x.data, spacing, rows, in, T(1), xt, lanes);
+    // W x W blocks at a time in registers, in blocks of columns of x (rows
+    // of xt), one task each.
+    const int64_t blocks = (in + kTransposeBlock - 1) / kTransposeBlock;
+    parallel_for(blocks, threads_for(kTransposeWork * double(rows) * double(in)),
+                 Schedule::kStatic, [&](int64_t block) {
+                   const int64_t c0 = block * kTransposeBlock;
+                   kt.pack_transposed(x.data + c0, spacing, rows,
+                                      std::min(kTransposeBlock, in - c0), T(1), xt + c0 * lanes,
+                                      lanes);
+                 });
     return;
   }
   std::fill_n(xt, in * lanes, T(0));
@@ -140,8 +165,15 @@ void transpose_output(const T* yt, int64_t lanes, const StridedView<T, 3>& y) {
   const KernelTable<T>& kt = active_kernels(T());
   const int64_t L = y.shape[1], rows = y.shape[0] * L, out = y.shape[2];
   if (out % kt.vector_width == 0 && (rows == 1 || even_row_spacing(y) == out)) {
-    // Rows of whole vectors laid end to end: straight into y.
-    kt.pack_transposed(yt, lanes, out, rows, T(1), y.data, out);
+    // Rows of whole vectors laid end to end: straight into y, in blocks of
+    // its rows (columns of yt), one task each.
+    const int64_t blocks = (rows + kTransposeBlock - 1) / kTransposeBlock;
+    parallel_for(blocks, threads_for(kTransposeWork * double(rows) * double(out)),
+                 Schedule::kStatic, [&](int64_t block) {
+                   const int64_t r0 = block * kTransposeBlock;
+                   kt.pack_transposed(yt + r0, lanes, out, std::min(kTransposeBlock, rows - r0),
+                                      T(1), y.data + r0 * out, out);
+                 });
     return;
   }
   const int64_t out_lanes = transposed_lanes<T>(out);
@@ -176,11 +208,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     });
     return;
   }
-  const double w_bytes = double(out) * double(in) * sizeof(T);
-  const bool transposed_pays = w_bytes >= kTransposedMinWeightBytes &&
-                               N * L <= kTransposedRowsMax &&
-                               double(N * L) * kTransposedBytesPerRow <= w_bytes;
-  if (linear_copies_input<T>(N * L) || transposed_pays) {
+  if (linear_transposes<T>(N * L, out, in)) {
     // Few rows (or not many, and a large w): y^T = w . x^T, packing the
     // small x^T (in x lanes) rather than w, then transposing the result back.
     const int64_t lanes = transposed_lanes<T>(N * L);
@@ -254,6 +282,8 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
 
 template bool linear_copies_input<float>(int64_t);
 template bool linear_copies_input<double>(int64_t);
+template bool linear_transposes<float>(int64_t, int64_t, int64_t);
+template bool linear_transposes<double>(int64_t, int64_t, int64_t);
 template int64_t transposed_lanes<float>(int64_t);
 template int64_t transposed_lanes<double>(int64_t);
 template void transpose_input<float>(const StridedView<const float, 3>&, int64_t, float*);

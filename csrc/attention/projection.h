@@ -19,6 +19,11 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
 template <typename T>
 bool linear_copies_input(int64_t rows);
 
+// Whether linear_forward computes y = x . w^T for `rows` rows of x and an
+// (out x in) w as y^T = w . x^T (few rows, or not many and a large w).
+template <typename T>
+bool linear_transposes(int64_t rows, int64_t out, int64_t in);
+
 // The steps of linear_forward for such few rows, for a caller that keeps the
 // rows transposed from one layer to the next: the N * L rows of x are the
 // lanes of x^T, `lanes` of them (transposed_lanes: N * L rounded up to whole
