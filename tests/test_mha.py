@@ -349,9 +349,14 @@ def test_projection_forms_give_the_same_bits(rng, rows, n_in, n_out, dtype):
     few = np.empty((rows, n_out), dtype)
     with num_threads(1):
         _core.linear(x, w, bias, many)
-    with num_threads(3):
-        _core.linear(x[:rows], w, bias, few)
-    assert_identical(few, many[:rows])
+    for threads in (2, 3, 5):  # the blocks of rows of w or of x are cut per thread count
+        with num_threads(threads):
+            _core.linear(x[:rows], w, bias, few)
+        assert_identical(few, many[:rows])
+        again = np.empty_like(many)
+        with num_threads(threads):
+            _core.linear(x, w, bias, again)
+        assert_identical(again, many)
     want = x[:rows].astype(np.float64) @ w.T.astype(np.float64) + bias
     assert_close(few, want, dtype, atol=1e-5 if dtype == np.float32 else 1e-12)
 

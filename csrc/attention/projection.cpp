@@ -71,6 +71,31 @@ int64_t even_row_spacing(const StridedView<U, 3>& v) {
   return -1;
 }
 
+// `count` rows cut into `blocks` blocks (a multiple of `shares`) for a
+// static schedule of `shares` threads: each thread's share of consecutive
+// blocks covers the same number of rows to the row, and within a share the
+// blocks start at multiples of kBlockAlign rows from its start (whole
+// register tiles of 6 or 12 rows). Shares cut at multiples of 12 overall had
+// left one of two threads waiting: 1024 rows as 504 and 520; 1024 rows of w
+// in blocks of 96 as 576 and 448 (a 3% wait in a one-token layer).
+struct EvenBlocks {
+  static constexpr int64_t kBlockAlign = 12;
+  int64_t count, blocks, shares;
+
+  EvenBlocks(int64_t count_, int64_t block_rows, int64_t shares_) : count(count_), shares(shares_) {
+    blocks = (count + block_rows - 1) / block_rows;
+    blocks = (blocks + shares - 1) / shares * shares;
+  }
+  // The first row of `block`; begin(blocks) is count.
+  int64_t begin(int64_t block) const {
+    const int64_t per_share = blocks / shares;
+    const int64_t share = block / per_share, i = block % per_share;
+    const int64_t first = share * count / shares;
+    const int64_t length = (share + 1) * count / shares - first;
+    return first + i * length / per_share / kBlockAlign * kBlockAlign;
+  }
+};
+
 // The rows (n, l) of x and y as `sequences` runs of `count` rows, each
 // evenly spaced in x and in y: all N * L rows as one run where both arrays
 // space them evenly (in the order (n, l)), else one run per n.
@@ -148,13 +173,14 @@ void linear_transposed(const RowMajorView<const T>& w, const T* bias, const T* x
   // rows of x, reading w is most of the work, and every thread reads its
   // share. The bias starts each row of y^T.
   const KernelTable<T>& kt = active_kernels(T());
-  const int64_t blocks = (w.rows + kRowBlock - 1) / kRowBlock;
   const int nthreads = threads_for(double(w.rows) * double(w.cols) * double(lanes));
+  const EvenBlocks blocks(w.rows, kRowBlock, nthreads);
   // As many lanes as gemm_wide's panel: its wider tile loads less per
   // multiply-add (the sums go in the same order either way).
   const auto gemm = lanes >= kt.wide_panel_width ? kt.gemm_wide : kt.gemm;
-  parallel_for(blocks, nthreads, Schedule::kStatic, [&](int64_t block) {
-    const int64_t m0 = block * kRowBlock, rows = std::min(kRowBlock, w.rows - m0);
+  parallel_for(blocks.blocks, nthreads, Schedule::kStatic, [&](int64_t block) {
+    const int64_t m0 = blocks.begin(block), rows = blocks.begin(block + 1) - m0;
+    if (rows <= 0) return;
     gemm(rows, lanes, w.cols, w.row(m0), w.row_stride, 1, xt, lanes, yt + m0 * lanes, lanes,
          bias ? GemmInit::kBiasRows : GemmInit::kZero, bias ? bias + m0 : nullptr);
   });
@@ -195,10 +221,11 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     const int rows = static_cast<int>(N * L);
     const T* x_rows[kDotRowsMax];
     for (int r = 0; r < rows; ++r) x_rows[r] = x.at(r / L, r % L);
-    const int64_t blocks = (out + kRowBlock - 1) / kRowBlock;
     const int nthreads = threads_for(double(rows) * double(in) * double(out));
-    parallel_for(blocks, nthreads, Schedule::kStatic, [&](int64_t block) {
-      const int64_t m0 = block * kRowBlock, n = std::min(kRowBlock, out - m0);
+    const EvenBlocks blocks(out, kRowBlock, nthreads);
+    parallel_for(blocks.blocks, nthreads, Schedule::kStatic, [&](int64_t block) {
+      const int64_t m0 = blocks.begin(block), n = blocks.begin(block + 1) - m0;
+      if (n <= 0) return;
       T* y_rows[kDotRowsMax];
       for (int r = 0; r < rows; ++r) y_rows[r] = y.at(r / L, r % L) + m0;
       kt.dot_rows(x_rows, rows, w.row(m0), w.row_stride, n, in, y_rows);
@@ -240,25 +267,13 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
       in, std::max<int64_t>(kMinKBlock, kPanelBlockBytes / int64_t(wide * sizeof(T)) / 16 * 16));
   // Where the rows of x and of y are evenly spaced in one order, a block of
   // rows may span several (n). Each run of rows is cut into blocks of about
-  // kManyRowBlock rows, of sizes within 12 rows of each other, as many as a
-  // multiple of the thread count: the static shares are then even (blocks
-  // of 192 and a last one of 64 left one of two cores 12% more rows).
+  // kManyRowBlock rows; a single run into even shares of the threads (blocks
+  // of 192 and a last one of 64 had left one of two cores 12% more rows).
   const RowSequence rows_of = row_sequence(x, y);
   const int nthreads = threads_for(double(N) * double(L) * double(in) * double(out));
-  int64_t row_blocks = (rows_of.count + kManyRowBlock - 1) / kManyRowBlock;
-  if (rows_of.sequences == 1) row_blocks = (row_blocks + nthreads - 1) / nthreads * nthreads;
-  // Each thread's static share of the blocks covers the same number of rows
-  // to the row (1024 rows on two threads in blocks cut at multiples of 12
-  // gave one 504 and the other 520: the first then waited 3% of the time);
-  // within a share, blocks start at multiples of 12 rows from its start.
-  const int64_t shares = rows_of.sequences == 1 ? nthreads : 1;
-  const int64_t per_share = row_blocks / shares;
-  const auto block_start = [&](int64_t block) {
-    const int64_t share = block / per_share, i = block % per_share;
-    const int64_t first = share * rows_of.count / shares;
-    const int64_t length = (share + 1) * rows_of.count / shares - first;
-    return first + i * length / per_share / 12 * 12;
-  };
+  const EvenBlocks blocks(rows_of.count, kManyRowBlock, rows_of.sequences == 1 ? nthreads : 1);
+  const int64_t row_blocks = blocks.blocks;
+  const auto block_start = [&](int64_t block) { return blocks.begin(block); };
   const int64_t tasks = rows_of.sequences * row_blocks * panels;
   parallel_for(tasks, nthreads, Schedule::kStatic, [&](int64_t t) {
     const int64_t p = t % panels, sb = t / panels;
