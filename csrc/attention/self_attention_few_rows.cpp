@@ -19,7 +19,7 @@
 // flash tile's scores St are these; its O(q, d) = sum_j P(j, q) V(j, d) is
 // O^T(d, q) here, term for term), so the results are the same to the bit:
 // the form is taken only where the general path would use one flash tile
-// block per head (L * 4 >= the query tile, every key in one block), no
+// block per head (L * 4 > the query tile, every key in one block), no
 // masks, no causal band and no weights. MHA B1 L16 E64 H4: four transposes
 // of the rows and the attention's per-tile setup are saved.
 #include <algorithm>
@@ -46,7 +46,7 @@ bool self_attention_few_rows(const MhaArgs<T>& a) {
   // (blocks hold at least 32 keys), each batch's lanes starting on a whole
   // vector, and rows enough that linear_forward transposes them (fewer it
   // takes as dot products, which sum in another order).
-  const bool one_tile = L * 4 >= qt && L_lanes <= qt && L <= 32;
+  const bool one_tile = L * 4 > qt && L_lanes <= qt && L <= 32;
   if (masked || a.causal || a.weights || !one_tile || (N > 1 && L % W != 0) ||
       N * L <= kDotRowsMax)
     return false;
