@@ -167,7 +167,8 @@ SHAPES = (
 )
 # Run only when named: a BERT-sized layer on one token (projections of one
 # row: reading the weights is the work) and on a short sequence; a causal
-# mask given as an array; long sequences and wide heads.
+# mask given as an array; long sequences and wide heads; a few queries against
+# many keys.
 EXTRA_SHAPES = (
     Shape("mha-e1024-l1", "mha", B=1, H=16, L=1, S=1, D=64),
     Shape("mha-e768-l64", "mha", B=1, H=12, L=64, S=64, D=64),
@@ -177,6 +178,9 @@ EXTRA_SHAPES = (
     Shape("l8192", "sdpa", B=1, H=2, L=8192, S=8192, D=64),
     Shape("d128-l2048", "sdpa", B=1, H=8, L=2048, S=2048, D=128),
     Shape("d256-l512", "sdpa", B=1, H=8, L=512, S=512, D=256),
+    # A step that checks 16 drafted tokens against a long cache: 128 MiB of keys and values,
+    # read from memory.
+    Shape("decode-l16-s4096", "sdpa", B=1, H=32, L=16, S=4096, D=128, memory_bound=True),
 )
 
 
