@@ -1,0 +1,250 @@
+// The row path of scaled dot-product attention.
+//
+// Each query row against key blocks with the row kernels (dot, axpy); with
+// weights, each row's probabilities are written to the weights, then
+// out = p.V. Without weights, the rows of the query heads that share a key
+// head are taken together (each block of keys and values is read once per
+// group), and long key sequences are split into chunks of kKeyChunk keys,
+// one task each, whose softmax states (m, l, acc) are merged in chunk order:
+// decoding (one query, many keys) then uses every core.
+#include <algorithm>
+#include <cmath>
+
+#include "attention/sdpa_rows.h"
+
+namespace attnx::sdpa {
+
+template <typename T>
+void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t kv_head,
+                int64_t r0, int64_t r1, int64_t j_begin, int64_t j_end, T* scratch, T* states,
+                int64_t chunks, int64_t chunk) {
+  const int64_t Hq = a.query.shape[1], L = a.query.shape[2], E = a.query.shape[3];
+  const int64_t Ev = a.value.shape(3), group = Hq / a.key.shape(1);
+  const int64_t rows = r1 - r0;
+  T* tile = scratch;                      // rows x kKeyBlock scores
+  T* acc = tile + rows * kKeyBlock;       // rows x Ev
+  T* m = acc + rows * Ev;                 // rows
+  T* l = m + rows;                        // rows
+  T* k_buf = l + rows;                    // kKeyBlock x E: widened keys
+  T* v_buf = k_buf + kKeyBlock * E;       // kKeyBlock x Ev: widened values
+  int64_t head[kQueryBlock], row[kQueryBlock];
+  bool open[kQueryBlock] = {};            // whether the row has any open key
+  const T* q_rows[kQueryBlock];
+  T* s_rows[kQueryBlock];
+  T* acc_rows[kQueryBlock];
+  std::fill(acc, acc + rows * Ev, T(0));
+  std::fill(m, m + rows, kNegInf<T>);
+  std::fill(l, l + rows, T(0));
+  // The keys any of the rows may attend: blocks outside are skipped.
+  int64_t lo = a.mask_cols, hi = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    head[r] = kv_head * group + (r0 + r) / L;
+    row[r] = (r0 + r) % L;
+    q_rows[r] = a.query.at(b, head[r], row[r]);
+    s_rows[r] = tile + r * kKeyBlock;
+    acc_rows[r] = acc + r * Ev;
+    const Band band = row_band(a, b, row[r]);
+    if (!band.empty()) lo = std::min(lo, band.lo), hi = std::max(hi, band.hi);
+  }
+  // And that the masks leave open to any of them, in whole blocks: the
+  // kernels' sums over a block's keys (exp_shift_sum, the P.V) group them by
+  // their place in the block, and a block cut at either end would round
+  // differently.
+  Band mask_open{a.mask_cols, 0};
+  for (int64_t r = 0; r < rows; ++r) {
+    const Band open_keys = keys_open_in_masks(a, shared_mask_row(a, b, head[r], row[r], 1));
+    if (!open_keys.empty())
+      mask_open.lo = std::min(mask_open.lo, open_keys.lo),
+      mask_open.hi = std::max(mask_open.hi, open_keys.hi);
+  }
+  // Where every row reads the same row of the masks (a padding mask,
+  // broadcast over heads and queries), a block where it adds 0 is not
+  // masked (the flash tile does the same).
+  const SharedMaskRow<T> first_masks = shared_mask_row(a, b, head[0], row[0], 1);
+  bool one_mask_row = first_masks.count > 0;
+  for (int64_t r = 1; r < rows && one_mask_row; ++r) {
+    const SharedMaskRow<T> masks = shared_mask_row(a, b, head[r], row[r], 1);
+    for (int m = 0; m < masks.count; ++m)
+      one_mask_row = one_mask_row && masks.rows[m] == first_masks.rows[m];
+  }
+  if (mask_open.lo > j_begin)
+    lo = std::max(lo, j_begin + (mask_open.lo - j_begin) / kKeyBlock * kKeyBlock);
+  if (mask_open.hi <= mask_open.lo)
+    hi = 0;  // every source key closed
+  else if (mask_open.hi > j_begin)
+    hi = std::min(hi, j_begin + (mask_open.hi - j_begin + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
+  else
+    hi = std::min(hi, j_begin);
+
+  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
+  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+  // 16-bit keys and values are read straight from storage by the 16-bit row
+  // kernels, widened in registers, for up to 4 rows (decoding, grouped heads
+  // included); for more rows a block is widened once into a buffer and read
+  // from there by every row. (Decoding at H32 D128, 2k-8k keys: direct reads
+  // took 25-30% less time than widening into a buffer.)
+  const bool direct_keys = rows <= 4 && keys.bits, direct_values = rows <= 4 && values.bits;
+  const int n_rows = static_cast<int>(rows);
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
+    int64_t start = j0, n = std::min(kKeyBlock, j_end - j0);
+    if (j0 + n <= a.mask_cols) {  // source keys only: cut to the rows' band
+      start = std::max(j0, lo);
+      const int64_t stop = std::min(j0 + n, hi);
+      if (stop <= start) continue;
+      n = stop - start;
+    }
+    int64_t ldk = 0, ldv = 0;
+    const T* kb = direct_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
+    const T* vb = direct_values ? nullptr : values.rows(start, n, v_buf, ldv);
+    // (1) the scores of every row: the kernel takes a few rows through each
+    // key at once; the first of them read the block from memory, the others
+    // from cache.
+    if constexpr (std::is_same_v<T, float>) {
+      if (direct_keys)
+        kt.scores_16bit[keys.bits_kind](q_rows, n_rows, keys.bits + start * keys.ld, keys.ld, n,
+                                        E, a.scale, s_rows, true);
+    }
+    if (!direct_keys) kt.scores(q_rows, n_rows, kb, ldk, n, E, a.scale, s_rows, keys.native);
+    // The rows whose values go through the block in one pass, together.
+    const T* p_plain[kQueryBlock];
+    T* acc_plain[kQueryBlock];
+    int plain = 0;
+    const bool masks_zero =
+        one_mask_row && start < a.mask_cols &&
+        shared_masks_zero(first_masks, start, std::min(n, a.mask_cols - start));
+    for (int64_t r = 0; r < rows; ++r) {
+      T* s = s_rows[r];
+      const KeyStates states = apply_masks(a, b, head[r], row[r], start, n, s, masks_zero);
+      open[r] = open[r] || states.any_open;
+      // (2) new running max and the rescale of what was accumulated
+      const T m_new = max_ignoring_nan(m[r], kt.row_max(s, n));
+      const T shift = exp_shift(m_new);
+      const T alpha = std::exp(m[r] - shift);
+      const T block_sum = kt.exp_shift_sum(s, n, shift);
+      // (3) update
+      T* acc_r = acc_rows[r];
+      if (alpha != T(1)) kt.scale(acc_r, Ev, alpha, acc_r);
+      l[r] = alpha * l[r] + block_sum;
+      m[r] = m_new;
+      if (states.any_closed) {
+        // A closed key's value must not reach the row (0 * NaN): where the
+        // block holds a value that is not finite, the row goes key by key
+        // (see accumulate_values).
+        if (direct_values && vb == nullptr) vb = values.rows(start, n, v_buf, ldv);
+        if (!rows_finite(kt, vb, ldv, n, Ev)) {
+          accumulate_values(a, kt, b, head[r], row[r], start, n, true, s, vb, ldv, Ev, acc_r,
+                            false);
+          continue;
+        }
+      }
+      p_plain[plain] = s;
+      acc_plain[plain++] = acc_r;
+    }
+    if (plain == 0) continue;
+    if (direct_values) {
+      if constexpr (std::is_same_v<T, float>)
+        kt.accumulate_pv_16bit[values.bits_kind](p_plain, plain, values.bits + start * values.ld,
+                                                 values.ld, n, Ev, acc_plain, true);
+    } else {
+      kt.accumulate_pv(p_plain, plain, vb, ldv, n, Ev, acc_plain, values.native);
+    }
+  }
+  if (states) {
+    const int64_t state_size = Ev + 3;
+    for (int64_t r = 0; r < rows; ++r) {
+      T* state = states + (((b * Hq + head[r]) * L + row[r]) * chunks + chunk) * state_size;
+      state[0] = m[r], state[1] = l[r], state[2] = open[r] ? T(1) : T(0);
+      std::copy_n(acc + r * Ev, Ev, state + 3);
+    }
+    return;
+  }
+  // (4) normalise. A row with no open key is zero; a row with open keys
+  // whose scores were all -inf (an Inf in the inputs) is 0/0 = NaN.
+  for (int64_t r = 0; r < rows; ++r) {
+    T* o = a.out.at(b, head[r], row[r]);
+    const T* acc_r = acc + r * Ev;
+    if (!open[r]) {
+      std::fill(o, o + Ev, T(0));
+    } else {
+      kt.scale(acc_r, Ev, T(1) / l[r], o);
+    }
+  }
+}
+
+template <typename T>
+void merge_chunks(const T* states, int64_t chunks, int64_t stride, int64_t Ev, T* out) {
+  T row_max = kNegInf<T>;
+  bool open = false;
+  for (int64_t c = 0; c < chunks; ++c) {
+    row_max = max_ignoring_nan(row_max, states[c * stride]);
+    open = open || states[c * stride + 2] != T(0);
+  }
+  std::fill(out, out + Ev, T(0));
+  if (!open) return;
+  const T shift = exp_shift(row_max);
+  T l = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const T* state = states + c * stride;
+    const T weight = std::exp(state[0] - shift);
+    l += state[1] * weight;
+    for (int64_t d = 0; d < Ev; ++d) out[d] += state[3 + d] * weight;
+  }
+  const T inv = T(1) / l;
+  for (int64_t d = 0; d < Ev; ++d) out[d] *= inv;
+}
+
+template <typename T>
+void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
+                       int64_t i0, int64_t i1, T* scratch) {
+  const int64_t Hq = a.query.shape[1], L = a.query.shape[2], S = a.key.shape(2);
+  const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
+  const int64_t kv_head = h / (Hq / a.key.shape(1));
+  const int64_t S_read = a.range.key_lengths ? a.range.key_lengths[b] : S;
+  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
+  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+  T* k_buf = scratch;                   // kKeyBlock x E
+  T* v_buf = k_buf + kKeyBlock * E;     // kKeyBlock x Ev
+  for (int64_t i = i0; i < i1; ++i) {
+    T* p = a.weights + ((b * Hq + h) * L + i) * S;
+    T* o = a.out.at(b, h, i);
+    const T* q = a.query.at(b, h, i);
+    for (int64_t j0 = 0; j0 < S_read; j0 += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, S_read - j0);
+      int64_t ldk;
+      const T* kb = keys.rows(j0, n, k_buf, ldk);
+      T* scores = p + j0;
+      kt.scores(&q, 1, kb, ldk, n, E, a.scale, &scores, i == i0 && keys.native);
+    }
+    std::fill(p + S_read, p + S, T(0));
+    const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
+    const T sum = kt.exp_shift_sum(p, S_read, exp_shift(kt.row_max(p, S_read)));
+    std::fill(o, o + Ev, T(0));
+    if (!states.any_open) {  // fully masked row
+      std::fill(p, p + S_read, T(0));
+      continue;
+    }
+    kt.scale(p, S_read, T(1) / sum, p);
+    for (int64_t j0 = 0; j0 < S_read; j0 += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, S_read - j0);
+      int64_t ldv;
+      const T* vb = values.rows(j0, n, v_buf, ldv);
+      accumulate_values(a, kt, b, h, i, j0, n, states.any_closed, p + j0, vb, ldv, Ev, o,
+                        i == i0 && values.native);
+    }
+  }
+}
+
+template void flash_rows<float>(const SdpaArgs<float>&, const KernelTable<float>&, int64_t,
+                                int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                                int64_t, int64_t);
+template void flash_rows<double>(const SdpaArgs<double>&, const KernelTable<double>&, int64_t,
+                                int64_t, int64_t, int64_t, int64_t, int64_t, double*, double*,
+                                int64_t, int64_t);
+template void merge_chunks<float>(const float*, int64_t, int64_t, int64_t, float*);
+template void merge_chunks<double>(const double*, int64_t, int64_t, int64_t, double*);
+template void rows_with_weights<float>(const SdpaArgs<float>&, const KernelTable<float>&,
+                                       int64_t, int64_t, int64_t, int64_t, float*);
+template void rows_with_weights<double>(const SdpaArgs<double>&, const KernelTable<double>&,
+                                       int64_t, int64_t, int64_t, int64_t, double*);
+
+}  // namespace attnx::sdpa

@@ -1,0 +1,375 @@
+// The flash-attention path of scaled dot-product attention (no L x S
+// matrix is stored), per task one or more tiles of QT queries of one
+// (b, h), with QT the kernel's lane count:
+//   Qt = scale * Q_tile^T                                   (E x QT, packed once)
+//   m = -inf, l = 0, O = 0                                  per query lane
+//   for each key block Kb, Vb the tile may attend:
+//     St = Kb . Qt              (keys x queries: lanes are queries)      (1)
+//     close masked / out-of-band entries: St = -inf by selection         (2)
+//     online softmax down each column: m, l, alpha; St = exp(St - m)     (3)
+//     O = diag(alpha) O + St^T . Vb                                      (4)
+//   out = O / l, or 0 for a query with no open key                       (5)
+// Computing St rather than S keeps the softmax vertical (no horizontal
+// reductions), and both products read K and V rows in place, unpacked.
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "attention/sdpa_tile_masks.h"
+#include "attention/sdpa_tiles.h"
+
+namespace attnx::sdpa {
+namespace {
+
+// Asks for every cache line of `rows` rows of `bytes` bytes, `ld` elements
+// apart, at once: the transposing pack then reads them from cache instead of
+// waiting on a few misses at a time.
+template <typename T>
+void prefetch_rows(const T* first, int64_t ld, int64_t rows, int64_t bytes) {
+#if defined(__GNUC__)
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(first + r * ld);
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+  }
+#else
+  (void)first, (void)ld, (void)rows, (void)bytes;
+#endif
+}
+
+// The cache lines of `rows` rows of `cols` elements of T, `ld` apart.
+template <typename T>
+LineRange row_lines(const T* first_row, int64_t ld, int64_t rows, int64_t cols) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(first_row);
+  const int64_t offset = int64_t(start % 64);
+  LineRange lines;
+  lines.first = start - uintptr_t(offset);
+  lines.ld_bytes = ld * int64_t(sizeof(T));
+  lines.row_lines = (offset + cols * int64_t(sizeof(T)) + 63) / 64;
+  lines.end = rows * lines.row_lines;
+  return lines;
+}
+
+// The cache lines of rows j0 .. j0 + rows - 1 of (b, h) of a key or value
+// array, as it is stored.
+template <typename T>
+LineRange stored_row_lines(const StoredView<T>& v, int64_t b, int64_t h, int64_t j0,
+                           int64_t rows) {
+  if (v.storage == Storage::kNative)
+    return row_lines(v.native.at(b, h, j0), v.native.stride[2], rows, v.native.shape[3]);
+  return row_lines(v.bits.at(b, h, j0), v.bits.stride[2], rows, v.bits.shape[3]);
+}
+
+// Asks for the next `count` lines of `lines` (from lines.begin) to be
+// brought into L2 (not L1, where the block being computed is).
+inline void request_lines_to_l2(LineRange& lines, int64_t count) {
+  count = std::min(count, lines.size());
+  if (count <= 0) return;
+  int64_t row = lines.begin / lines.row_lines, line = lines.begin - row * lines.row_lines;
+  uintptr_t row_start = lines.first + uintptr_t(row * lines.ld_bytes);
+  for (int64_t k = 0; k < count; ++k) {
+#if defined(__GNUC__)
+    __builtin_prefetch(reinterpret_cast<const void*>(row_start + uintptr_t(line * 64)), 0, 2);
+#endif
+    if (++line == lines.row_lines) line = 0, row_start += uintptr_t(lines.ld_bytes);
+  }
+  lines.begin += count;
+}
+
+// Pieces of the gemms between requests: keys of the scores (a multiple of
+// the register tiles' 12 rows), columns of the values. The pieces sum
+// every output as the whole gemm does: the same bits.
+constexpr int64_t kAheadKeysPerPiece = 48;
+constexpr int64_t kAheadColumnsPerPiece = 32;
+
+// The query rows of the tile after (b, h, i0) in the order of the tasks,
+// which another thread may take; none after the last.
+template <typename T>
+LineRange next_tile_queries(const SdpaArgs<T>& a, int64_t qt, int64_t b, int64_t h, int64_t i0) {
+  const int64_t B = a.query.shape[0], H = a.query.shape[1], L = a.query.shape[2];
+  i0 += qt;
+  if (i0 >= L) i0 = 0, ++h;
+  if (h >= H) h = 0, ++b;
+  if (b >= B) return LineRange{};
+  return row_lines(a.query.at(b, h, i0), a.query.stride[2], std::min(qt, L - i0),
+                   a.query.shape[3]);
+}
+
+// One query tile of the flash path, whose keys may be visited a chunk at a
+// time with other tiles' visits between (see flash_tiles): what a tile
+// keeps from one chunk to the next. Its buffers are in the scratch of the
+// thread that runs it.
+template <typename T>
+struct FlashTile {
+  int64_t b = 0, h = 0, i0 = 0, rows = 0;
+  int lanes = 0;  // the tile's queries rounded up to whole vectors
+  // Each lane's band; the tile's keys are [keys_lo, keys_hi) of the union.
+  int64_t lo[kMaxTile], hi[kMaxTile];
+  bool open[kMaxTile];
+  bool has_masks = false;
+  SharedMaskRow<T> shared_masks;
+  const MaskBlock* blocks = nullptr;
+  int64_t keys_lo = 0, keys_hi = 0;
+  LineRequests pending;
+  int64_t request_from = 0;
+  bool have_total = false;  // whether o_total and l_total hold a merged chunk
+  T* q_t = nullptr;      // E x qt: the scaled queries, transposed
+  T* o = nullptr;        // qt x Ev: the chunk's accumulator
+  T* o_total = nullptr;  // qt x Ev: the chunks merged so far
+  T* l = nullptr;        // qt: the chunk's sums
+  T* l_total = nullptr;  // qt
+  T* m = nullptr;        // qt: the running max
+};
+
+// Sets up the tile starting at query i0 of (b, h): zeroes its padding rows,
+// finds its bands and keys, packs its queries. False when no row is left.
+template <typename T>
+bool begin_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
+                      int64_t i0, int64_t key_block, T* buffers,
+                      const MaskBlockMap<T>& mask_blocks, FlashTile<T>& t) {
+  const int qt = kt.query_tile;
+  const int64_t L = a.query.shape[2], S = a.key.shape(2);
+  const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
+  // Padding rows (past the batch's query length) are zero.
+  const int64_t tile_rows = std::min<int64_t>(qt, L - i0);
+  const int64_t qlen = query_length(a, b);
+  const int64_t rows = std::clamp<int64_t>(qlen - i0, 0, tile_rows);
+  for (int64_t r = rows; r < tile_rows; ++r) {
+    T* out = a.out.at(b, h, i0 + r);
+    std::fill(out, out + Ev, T(0));
+  }
+  if (rows == 0) return false;
+  t.b = b, t.h = h, t.i0 = i0, t.rows = rows;
+  t.q_t = buffers;
+  t.o = t.q_t + E * qt;
+  t.o_total = t.o + qt * Ev;
+  t.l = t.o_total + qt * Ev;
+  t.l_total = t.l + qt;
+  t.m = t.l_total + qt;
+
+  t.has_masks = tile_bands(a, b, qlen, i0, rows, t.lo, t.hi, t.open);
+  // Keys that the masks close for every row are skipped as those outside
+  // the band: blocks past the last open key are skipped and the block
+  // holding it cut, which keeps the bits (only terms of 0 go). Before the
+  // first, only whole blocks: the P.V of a block cut at its start would sum
+  // its values in other runs (kSumRun) and round differently.
+  // So are the blocks that the map of mask blocks finds closed to every row
+  // of the tile (a causal or block mask): those at either end here, those
+  // between as the visits meet them.
+  t.shared_masks = shared_mask_row(a, b, h, i0, rows);
+  const Band mask_open = keys_open_in_masks(a, t.shared_masks);
+  t.blocks = mask_blocks.tile(b, h, i0);
+  const auto map_open = t.blocks ? mask_blocks.open_keys(t.blocks)
+                                 : typename MaskBlockMap<T>::Open{0, a.mask_cols};
+  t.keys_lo = std::max(
+      {t.lo[0], mask_open.lo / key_block * key_block, map_open.lo / key_block * key_block});
+  t.keys_hi = std::min({t.hi[rows - 1], mask_open.hi, map_open.hi});
+
+  // The query lanes computed: the tile's queries rounded up to whole vectors
+  // (the tile of a short sequence, or the last of a longer one, leaves the
+  // rest of the query_tile lanes idle).
+  t.lanes = static_cast<int>((rows + kt.vector_width - 1) / kt.vector_width) * kt.vector_width;
+  // Pack the scaled query tile, transposed; lanes past the last query are 0.
+  prefetch_rows(a.query.at(b, h, i0), a.query.stride[2], rows, E * int64_t(sizeof(T)));
+  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, t.q_t, qt);
+  std::fill(t.m, t.m + qt, kNegInf<T>);
+  t.have_total = false;
+
+  // The lines of this tile's output rows and of the next tile's query rows
+  // are requested during the softmax of the last blocks, a line of each per
+  // key, so that the stores of finish_flash_tile and the next tile's pack
+  // find them in cache. (B8 H12 L128 D64: each would otherwise cost a burst
+  // of 128 misses per tile that stalls the core; requested, the call took 8%
+  // less time on one Zen 3 core and 11% less on two, median of 10
+  // interleaved runs.)
+  t.pending = LineRequests{};
+  t.pending.ranges[0] = row_lines(a.out.at(b, h, i0), a.out.stride[2], rows, Ev);
+  t.pending.ranges[1] = next_tile_queries(a, qt, b, h, i0);
+  const int64_t most_lines = std::max(t.pending.ranges[0].size(), t.pending.ranges[1].size());
+  const int64_t last_key = S > a.mask_cols ? S : std::min(S, t.keys_hi);
+  t.request_from = last_key - (most_lines + key_block - 1) / key_block * key_block;
+  return true;
+}
+
+// The tile's keys in the chunk [c0, c1): its blocks added into the chunk's
+// accumulator, which is then merged into the total.
+template <typename T>
+void visit_flash_chunk(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile<T>& t,
+                       int64_t c0, int64_t c1, int64_t key_block, T* scratch,
+                       const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks,
+                       bool ask_ahead) {
+  if (c1 <= a.mask_cols && (c1 <= t.keys_lo || c0 >= t.keys_hi)) return;  // outside every band
+  const int qt = kt.query_tile;
+  const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
+  const int64_t b = t.b, h = t.h, i0 = t.i0, rows = t.rows;
+  const int64_t S = a.key.shape(2);
+  const int64_t kv_head = h / (a.query.shape[1] / a.key.shape(1));
+  T* st = scratch;                  // key_block x qt
+  T* alpha = st + key_block * qt;   // qt
+  T* m_start = alpha + qt;          // qt: the running max when the chunk began
+  T* p_row = m_start + qt;          // key_block
+  T* k_buf = p_row + key_block;     // key_block x E: widened keys
+  T* v_buf = k_buf + key_block * E; // key_block x Ev: widened values
+  T* mask_scratch = v_buf + key_block * Ev;  // 2 x key_block x qt: masks in the tile's layout
+  T* o = t.o;
+  T* l = t.l;
+  T* m = t.m;
+  const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
+  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+
+  std::fill(l, l + qt, T(0));
+  std::copy_n(m, qt, m_start);
+  // The chunk's first computed block writes o rather than rescaling it
+  // (o is not cleared beforehand).
+  bool first_block = true;
+  for (int64_t j0 = c0; j0 < c1; j0 += key_block) {
+    int64_t start = j0, n = std::min(key_block, c1 - j0);
+    MaskBlock mask_block = MaskBlock::kMixed;
+    if (j0 + n <= a.mask_cols) {
+      // Source keys only: a block outside the tile's keys is skipped, one
+      // across their ends is cut (causal: the diagonal block).
+      start = std::max(j0, t.keys_lo);
+      const int64_t stop = std::min(j0 + n, t.keys_hi);
+      if (stop <= start) continue;
+      n = stop - start;
+      if (t.blocks) mask_block = mask_blocks.state(t.blocks, start, stop);
+      if (mask_block == MaskBlock::kClosed) continue;
+    }
+    // (1) scores
+    int64_t ldk, ldv;
+    const T* kb = keys.rows(start, n, k_buf, ldk);
+    if (ask_ahead) {
+      LineRange value_lines = stored_row_lines(a.value, b, kv_head, start, n);
+      const int64_t pieces = (n + kAheadKeysPerPiece - 1) / kAheadKeysPerPiece;
+      for (int64_t j = 0; j < n; j += kAheadKeysPerPiece) {
+        request_lines_to_l2(value_lines, (value_lines.end + pieces - 1) / pieces);
+        kt.gemm(std::min(kAheadKeysPerPiece, n - j), t.lanes, E, kb + j * ldk, ldk, 1, t.q_t, qt,
+                st + j * qt, qt, GemmInit::kZero, nullptr);
+      }
+    } else {
+      kt.gemm(n, t.lanes, E, kb, ldk, 1, t.q_t, qt, st, qt, GemmInit::kZero, nullptr);
+    }
+    // (2) masks; the band rules only where a band end crosses the block
+    const int64_t source_end = std::min(start + n, a.mask_cols);
+    const bool crosses_band =
+        start < source_end && (start < t.lo[rows - 1] || source_end > t.hi[0]);
+    bool any_closed = false;
+    if (t.has_masks && !crosses_band && start + n <= a.mask_cols &&
+        (mask_block == MaskBlock::kZero || shared_masks_zero(t.shared_masks, start, n))) {
+      // The masks add 0 (a padding mask's open keys, a causal mask's
+      // blocks below the diagonal): every row of the tile is open.
+      std::fill(t.open, t.open + rows, true);
+    } else if (t.has_masks || crosses_band) {
+      any_closed =
+          close_tile(a, kt, b, h, i0, rows, start, n, qt, t.lo, t.hi, st, t.open, mask_scratch);
+    }
+    // (3) online softmax
+    if (start >= t.request_from) {
+      kt.softmax_tile(st, n, t.lanes, m, l, alpha, t.pending);
+      for (LineRange& range : t.pending.ranges) range.begin = std::min(range.end, range.begin + n);
+    } else {
+      kt.softmax_tile(st, n, t.lanes, m, l, alpha, LineRequests{});
+    }
+    // (4) accumulate. A closed key has probability 0, and 0 * NaN would
+    // carry a NaN in its value into this row: where keys were closed and
+    // the values are not all finite, accumulate row by row, key by key
+    // (see accumulate_values).
+    const T* vb = values.rows(start, n, v_buf, ldv);
+    if (!any_closed || finite_values.all(b, kv_head, start, n, [&] {
+          return rows_finite(kt, vb, ldv, n, Ev);
+        })) {
+      const GemmInit init = first_block ? GemmInit::kZero : GemmInit::kScaleRows;
+      if (ask_ahead && start + n < S) {
+        LineRange key_lines =
+            stored_row_lines(a.key, b, kv_head, start + n, std::min(key_block, S - start - n));
+        const int64_t pieces = (Ev + kAheadColumnsPerPiece - 1) / kAheadColumnsPerPiece;
+        for (int64_t c = 0; c < Ev; c += kAheadColumnsPerPiece) {
+          request_lines_to_l2(key_lines, (key_lines.end + pieces - 1) / pieces);
+          kt.gemm(rows, std::min(kAheadColumnsPerPiece, Ev - c), n, st, 1, qt, vb + c, ldv, o + c,
+                  Ev, init, alpha);
+        }
+      } else {
+        kt.gemm(rows, Ev, n, st, 1, qt, vb, ldv, o, Ev, init, alpha);
+      }
+    } else {
+      if (first_block) std::fill(o, o + qt * Ev, T(0));
+      for (int64_t r = 0; r < rows; ++r) {
+        kt.scale(o + r * Ev, Ev, alpha[r], o + r * Ev);
+        for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
+        accumulate_values(a, kt, b, h, i0 + r, start, n, true, p_row, vb, ldv, Ev, o + r * Ev,
+                          false);
+      }
+    }
+    first_block = false;
+  }
+  if (first_block) return;  // no key of the chunk was in a band: nothing to merge
+  // Merge the chunk: the total was accumulated against the max m_start, the
+  // chunk against the max m, so the total is rescaled by e^(m_start - m).
+  // The first chunk is the total (with an empty total, the merge would give
+  // the same numbers), so its buffers are swapped in rather than copied.
+  if (!t.have_total) {
+    std::swap(t.o, t.o_total);
+    std::swap(t.l, t.l_total);
+    t.have_total = true;
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const T rescale = std::exp(m_start[r] - exp_shift(m[r]));
+    T* total = t.o_total + r * Ev;
+    const T* part = o + r * Ev;
+    for (int64_t d = 0; d < Ev; ++d) total[d] = total[d] * rescale + part[d];
+    t.l_total[r] = t.l_total[r] * rescale + l[r];
+  }
+}
+
+// (5) normalise. A query with open keys whose scores were all -inf (an Inf
+// in the inputs) has l = 0 and gives 0/0 = NaN.
+template <typename T>
+void finish_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile<T>& t) {
+  const int qt = kt.query_tile;
+  const int64_t Ev = a.value.shape(3);
+  if (!t.have_total) {
+    std::fill(t.o_total, t.o_total + qt * Ev, T(0));
+    std::fill(t.l_total, t.l_total + qt, T(0));
+  }
+  for (int64_t r = 0; r < t.rows; ++r) {
+    T* out = a.out.at(t.b, t.h, t.i0 + r);
+    if (!t.open[r]) {
+      std::fill(out, out + Ev, T(0));
+    } else {
+      kt.scale(t.o_total + r * Ev, Ev, T(1) / t.l_total[r], out);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
+                 int64_t i0, int64_t count, int64_t key_block, bool ask_ahead, T* scratch,
+                 const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks) {
+  const int qt = kt.query_tile;
+  const int64_t S = a.key.shape(2), E = a.query.shape[3], Ev = a.value.shape(3);
+  const size_t buffers = flash_tile_buffers_size<T>(qt, E, Ev);
+  T* visit_scratch = scratch + size_t(count) * buffers;
+  FlashTile<T> tiles[kMaxTileGroup];
+  int64_t begun = 0;
+  for (int64_t i = 0; i < count; ++i)
+    if (begin_flash_tile(a, kt, b, h, i0 + i * qt, key_block, scratch + size_t(begun) * buffers,
+                         mask_blocks, tiles[begun]))
+      ++begun;
+  const int64_t chunk = key_block * std::max<int64_t>(1, kTileChunk / key_block);
+  for (int64_t c0 = 0; c0 < S; c0 += chunk)
+    for (int64_t i = 0; i < begun; ++i)
+      visit_flash_chunk(a, kt, tiles[i], c0, std::min(S, c0 + chunk), key_block, visit_scratch,
+                        finite_values, mask_blocks, ask_ahead && i == 0);
+  for (int64_t i = 0; i < begun; ++i) finish_flash_tile(a, kt, tiles[i]);
+}
+
+template void flash_tiles<float>(const SdpaArgs<float>&, const KernelTable<float>&, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t, bool, float*,
+                                 const FiniteRows&, const MaskBlockMap<float>&);
+template void flash_tiles<double>(const SdpaArgs<double>&, const KernelTable<double>&, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t, bool, double*,
+                                 const FiniteRows&, const MaskBlockMap<double>&);
+
+}  // namespace attnx::sdpa

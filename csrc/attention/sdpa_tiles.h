@@ -1,0 +1,92 @@
+// The flash-attention path of scaled dot-product attention, a tile of
+// queries at a time. See sdpa_tiles.cpp.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "attention/mask_blocks.h"
+#include "attention/sdpa_common.h"
+
+namespace attnx::sdpa {
+
+// Keys per block of the tile path: at least 128, more for small head dims
+// (keys = 48 KiB / ((E + Ev + qt) * sizeof(T)), a multiple of 16, at most
+// 256: E = Ev = 16, float32: 192). A block's keys, values and score tile
+// come from L2 once per query tile whatever its length, and longer blocks
+// amortise the per-block work (the online softmax's rescaling, the P.V
+// tile's loads and stores of the accumulator). Sized to fit a 48 KiB L1
+// instead, large heads got short blocks and lost to that work: 128 keys
+// against 32 (AVX-512, one core, in-process interleaved runs): D128 L1024
+// -6.5%, D256 -7%, float64 D64 -6%, float64 D128 -10%; D80 against 48 keys
+// -3%; AVX2 D128 -4%. With D64 (64 keys before) it was level within 1%.
+// Calls that may skip blocks (`skips_blocks`: a causal band or window, key
+// or query lengths, or masks, whose closed blocks are skipped) take at least
+// 64 keys instead: blocks of 128 skip too coarsely (block-sparse masks in
+// 64 x 64 blocks took 1.9x the time, documents of 64 tokens 1.16x), and
+// for D64 64 keys were as fast. One rule for all of them keeps the bits the
+// same whichever way a mask is given: written out or broadcast, or as
+// is_causal.
+template <typename T>
+int64_t tile_key_block(int qt, int64_t E, int64_t Ev, bool skips_blocks) {
+  const int64_t keys = (48 * 1024) / ((E + Ev + qt) * int64_t(sizeof(T)));
+  return std::clamp<int64_t>(keys / 16 * 16, skips_blocks ? 64 : 128, 256);
+}
+
+// Keys per accumulation chunk of the tile path. Blocks add into a chunk's
+// accumulator, and chunks into the total: float32 sums then take
+// S / kTileChunk + kTileChunk / key_block steps rather than S / key_block,
+// which kept the error at a few 1e-6 over a million keys (one running sum
+// reached 2e-4 there).
+constexpr int64_t kTileChunk = 1024;
+
+// Query tiles per task of the flash path where a tile's keys span several
+// chunks (see flash_tiles): as many as keep their buffers (queries and
+// accumulators) within kTileGroupBytes, next to a chunk's keys and values
+// in L2, and at most kMaxTileGroup.
+constexpr int64_t kMaxTileGroup = 16;
+constexpr int64_t kTileGroupBytes = 512 * 1024;
+// Tiles are grouped only where a head's keys and values outgrow this:
+// those of 2048 keys of D64 (1 MiB) stay in L2 from one tile to the next,
+// and grouped, the causal B1 H12 L2048 D64 took 1.4% longer.
+constexpr double kTileGroupMinKeyBytes = 1 << 20;
+
+// A tile whose keys and values come from memory waits on their misses, a
+// block at a time: the gemms' broadcasts reach a dozen rows at once, too
+// few to keep the memory busy. The first tile of a task that reads them
+// from beyond L2 (a head's keys and values read by one task, or too large
+// to stay in L2 from one task to the next) then asks for the lines of each
+// block's values while it computes the block's scores, and for the next
+// block's keys while it accumulates the values, a share before each piece
+// of the gemm (asked all at once, they stalled the core). Only in calls
+// that read more than kAheadMinCallBytes of keys and values, which do not
+// stay in cache from one call to the next: where they did, the requests
+// cost more than they saved. Two threads, L16 against S4096 D128, in-process
+// interleaved runs on a Xeon with a large shared L3: H8 and H16 (32 and 64
+// MiB) +14% and -2%, H24 -21%, H32 -20% (L32 -16%, L64 -11%, L128 -6%);
+// D64, H64: L16 -17%, L128 -3%.
+constexpr double kAheadMinCallBytes = 64 << 20;
+
+// Elements of a FlashTile's buffers, and of the scratch its visits share.
+template <typename T>
+size_t flash_tile_buffers_size(int qt, int64_t E, int64_t Ev) {
+  return size_t(E * qt + 2 * qt * Ev + 3 * qt);
+}
+
+template <typename T>
+size_t flash_visit_scratch_size(int qt, int64_t E, int64_t Ev, int64_t key_block) {
+  return size_t(key_block * qt + 2 * qt + key_block + key_block * (E + Ev) + 2 * key_block * qt);
+}
+
+// `count` consecutive query tiles of (b, h) from query i0, visited a chunk
+// of keys at a time: each chunk's keys and values are read from memory into
+// L2 once for all the tiles, where one tile at a time through all its keys
+// read every chunk again for each tile (once the keys and values of a head
+// outgrow L2: S = 4096, D64 is 2 MiB). Each tile sums the same blocks in the
+// same order either way: the same bits.
+template <typename T>
+void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
+                 int64_t i0, int64_t count, int64_t key_block, bool ask_ahead, T* scratch,
+                 const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks);
+
+}  // namespace attnx::sdpa
