@@ -36,3 +36,23 @@ def test_decoding_section_runs_and_shapes_match_its_comments():
     assert namespace["cache"].lengths.tolist() == [15, 0]
     assert namespace["kv"].lengths.tolist() == [4, 4]
     assert namespace["out"].shape == (2, 8, 1, 64)
+
+
+def test_sections_users_look_up_are_all_there_in_order():
+    headings = re.findall(r"^## (.+)$", README.read_text(), re.M)
+    expected = [
+        "Set-up", "Quickstart", "API in brief", "Decoding with a KV cache",
+        "Deviations from PyTorch", "Benchmarks", "Threads", "Serving a PyTorch model",
+        "Building wheels", "Layout",
+    ]
+    found = [next((h for h in headings if h.startswith(e)), None) for e in expected]
+    assert None not in found, f"missing: {[e for e, f in zip(expected, found) if f is None]}"
+    assert [headings.index(f) for f in found] == sorted(headings.index(f) for f in found)
+
+
+def test_deviations_from_pytorch_list_the_api_contracts_deviations():
+    text = README.read_text()
+    section = text[text.index("## Deviations from PyTorch") : text.index("## Benchmarks")]
+    for phrase in ("all masked gives a **zero**", "is_causal=True", "dropout_p", "batch_first=",
+                   "float16 and bfloat16", "bottom_right"):
+        assert phrase in section, phrase
