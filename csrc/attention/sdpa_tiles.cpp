@@ -13,6 +13,8 @@
 // reductions), and both products read K and V rows in place, unpacked.
 #include <algorithm>
 #include <cmath>
+#include <new>
+#include <type_traits>
 #include <utility>
 
 #include "attention/sdpa_tile_masks.h"
@@ -351,12 +353,18 @@ void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int6
   const int64_t S = a.key.shape(2), E = a.query.shape[3], Ev = a.value.shape(3);
   const size_t buffers = flash_tile_buffers_size<T>(qt, E, Ev);
   T* visit_scratch = scratch + size_t(count) * buffers;
-  FlashTile<T> tiles[kMaxTileGroup];
+  // Only the tiles the task runs are constructed (a FlashTile takes about
+  // 1.3 KiB, and most tasks run one).
+  static_assert(std::is_trivially_destructible_v<FlashTile<T>>);
+  alignas(FlashTile<T>) unsigned char storage[kMaxTileGroup * sizeof(FlashTile<T>)];
+  FlashTile<T>* tiles = reinterpret_cast<FlashTile<T>*>(storage);
   int64_t begun = 0;
-  for (int64_t i = 0; i < count; ++i)
+  for (int64_t i = 0; i < count; ++i) {
+    new (&tiles[begun]) FlashTile<T>;
     if (begin_flash_tile(a, kt, b, h, i0 + i * qt, key_block, scratch + size_t(begun) * buffers,
                          mask_blocks, tiles[begun]))
       ++begun;
+  }
   const int64_t chunk = key_block * std::max<int64_t>(1, kTileChunk / key_block);
   for (int64_t c0 = 0; c0 < S; c0 += chunk)
     for (int64_t i = 0; i < begun; ++i)
