@@ -167,6 +167,37 @@ struct Kernels {
       }
     }
     // Step 2: rank-1 updates, one per k: broadcast A(m, k), multiply-add B row k.
+    if constexpr (kA == ALayout::kStrided && MR >= 16 && MR % 4 == 0) {
+      // Rows at a runtime stride, as MR / 4 pointers each read at 0, 1, 2
+      // and 3 strides: one index register per row (the general loop below)
+      // is more than x86-64 has, and the spilled indices cost more loads
+      // than the tile's multiply-adds can hide.
+      const T* quad[MR / 4];
+#pragma GCC unroll 4
+      for (int i = 0; i < MR / 4; ++i) quad[i] = a + 4 * i * a_row;
+      const int64_t s1 = a_row, s2 = 2 * a_row, s3 = 3 * a_row;
+#pragma GCC unroll 2
+      for (int64_t k = 0; k < K; ++k) {
+        const T* bk = b + k * ldb;
+        V bv[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
+        const int64_t ko = k * a_col;
+#pragma GCC unroll 4
+        for (int i = 0; i < MR / 4; ++i) {
+          const T* p = quad[i] + ko;
+          const V a0 = Vec::set1(p[0]), a1 = Vec::set1(p[s1]), a2 = Vec::set1(p[s2]),
+                  a3 = Vec::set1(p[s3]);
+#pragma GCC unroll 4
+          for (int v = 0; v < NV; ++v) {
+            acc[4 * i][v] = Vec::fmadd(a0, bv[v], acc[4 * i][v]);
+            acc[4 * i + 1][v] = Vec::fmadd(a1, bv[v], acc[4 * i + 1][v]);
+            acc[4 * i + 2][v] = Vec::fmadd(a2, bv[v], acc[4 * i + 2][v]);
+            acc[4 * i + 3][v] = Vec::fmadd(a3, bv[v], acc[4 * i + 3][v]);
+          }
+        }
+      }
+    } else
 #pragma GCC unroll 4
     for (int64_t k = 0; k < K; ++k) {
       const T* bk = b + k * ldb;
