@@ -1,6 +1,6 @@
 // Which blocks of a call's masks close every key, add exactly 0, or neither.
 //
-// The tile paths (flash_tile, weights_tile) work on a grid of query tiles x
+// The tile paths (flash_tiles, weights_tile) work on a grid of query tiles x
 // key blocks. Where the masks vary over the queries (an (L, S) causal or
 // block mask, a (B, 1, L, S) mask that folds padding into it, as model code
 // passes to scaled_dot_product_attention), many of its blocks are all -inf

@@ -131,7 +131,7 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   std::vector<T> states(chunks > 1 ? size_t(B * Hq * L * chunks * state_size) : 0);
 
   // With masks, most query tiles close a key in most blocks, and each then
-  // checks that block's values (see flash_tile): the checks are made once.
+  // checks that block's values (see visit_flash_chunk): the checks are made once.
   FiniteRows finite_values;
   const bool has_masks = a.masks[0].present() || a.masks[1].present();
   if (tiled && has_masks && a.value.storage == Storage::kNative)

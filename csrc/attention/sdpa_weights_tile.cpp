@@ -77,7 +77,7 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
     const bool crosses_band = j0 < source_end && (j0 < lo[rows - 1] || source_end > hi[0]);
     if (has_masks && !crosses_band && j0 + n <= a.mask_cols &&
         (mask_block == MaskBlock::kZero || shared_masks_zero(shared_masks, j0, n))) {
-      std::fill(open, open + rows, true);  // the masks add 0 (flash_tile)
+      std::fill(open, open + rows, true);  // the masks add 0 (as in visit_flash_chunk)
     } else if (has_masks || crosses_band) {
       any_closed = close_tile(a, kt, b, h, i0, rows, j0, n, qt, lo, hi, sb, open, mask_scratch) ||
                    any_closed;

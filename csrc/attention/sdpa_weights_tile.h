@@ -11,7 +11,7 @@ namespace attnx::sdpa {
 
 // The weights path (need_weights) a tile of queries at a time, against all
 // its keys at once: the scores come from the kernel's gemm block by block
-// (keys x qt, as in flash_tile) and are masked as there, then transposed
+// (keys x qt, as in the flash tiles) and are masked as there, then transposed
 // into the rows of the weights, where each row's softmax is taken as in
 // rows_with_weights; the weights then multiply the values block by block,
 // read in place by the gemm. Each weight is written once, the keys and
