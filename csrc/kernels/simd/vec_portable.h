@@ -70,6 +70,7 @@ struct Portable {
     return r;
   }
   static V zero() { return set1(T(0)); }
+  static void hold(V&) {}  // (see the SIMD vectors)
   static V set1(T x) {
     return map([x](int) { return x; });
   }
