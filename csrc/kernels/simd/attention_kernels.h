@@ -696,6 +696,12 @@ struct Kernels {
                                   int64_t dim, T* const* acc, int64_t ahead,
                                   int64_t prefetch_end) {
     constexpr int kKeys = R == 1 ? 2 : 4;
+    // The rows' pointers in locals: GCC cannot tell that the stores into
+    // the accumulators leave acc[] as it was, and would load acc[r] again
+    // for every vector.
+    T* out[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
     int64_t j = 0;
     for (; j + kKeys <= n_keys; j += kKeys) {
       V pk[R][kKeys];
@@ -712,10 +718,10 @@ struct Kernels {
         for (int u = 0; u < kKeys; ++u) vv[u] = load_stored<kSrc>(vj + u * ldv + d);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          V a = Vec::load(acc[r] + d);
+          V a = Vec::load(out[r] + d);
 #pragma GCC unroll 4
           for (int u = 0; u < kKeys; ++u) a = Vec::fmadd(pk[r][u], vv[u], a);
-          Vec::store(acc[r] + d, a);
+          Vec::store(out[r] + d, a);
         }
       }
     }
@@ -728,7 +734,7 @@ struct Kernels {
         const V vv = load_stored<kSrc>(vj + d);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r)
-          Vec::store(acc[r] + d, Vec::fmadd(pj[r], vv, Vec::load(acc[r] + d)));
+          Vec::store(out[r] + d, Vec::fmadd(pj[r], vv, Vec::load(out[r] + d)));
       }
     }
   }
