@@ -662,7 +662,11 @@ struct Kernels {
       if (ahead && j + ahead < prefetch_end) prefetch_rows(vj + ahead * ldv, ldv, 1, NV * W);
       V vv[NV];
 #pragma GCC unroll 16
-      for (int u = 0; u < NV; ++u) vv[u] = load_stored<kSrc>(vj + u * W);
+      for (int u = 0; u < NV; ++u) {
+        vv[u] = load_stored<kSrc>(vj + u * W);
+        // Loaded once for the R rows (see scores_group).
+        if constexpr (R > 1) Vec::hold(vv[u]);
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const V pj = Vec::set1(p[r][j]);
