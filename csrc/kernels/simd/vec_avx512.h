@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "kernels/simd/exp_constants.h"
+#include "kernels/simd/hold_register.h"
 
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
@@ -30,15 +31,7 @@ struct Avx512F32 {
   static constexpr int kRowGroup = 4;
 
   static V zero() { return _mm512_setzero_ps(); }
-  // Makes the compiler hold v in a register from here on, rather than
-  // fold its load into every instruction that reads it (see scores_group).
-  static void hold(V& v) {
-#if defined(__GNUC__)
-    __asm__("" : "+v"(v));
-#else
-    (void)v;
-#endif
-  }
+  static void hold(V& v) { hold_in_register(v); }
   static V set1(T x) { return _mm512_set1_ps(x); }
   static V load(const T* p) { return _mm512_loadu_ps(p); }
   static void store(T* p, V v) { _mm512_storeu_ps(p, v); }
@@ -196,15 +189,7 @@ struct Avx512F64 {
   static constexpr int kRowGroup = 4;          // as in Avx512F32
 
   static V zero() { return _mm512_setzero_pd(); }
-  // Makes the compiler hold v in a register from here on, rather than
-  // fold its load into every instruction that reads it (see scores_group).
-  static void hold(V& v) {
-#if defined(__GNUC__)
-    __asm__("" : "+v"(v));
-#else
-    (void)v;
-#endif
-  }
+  static void hold(V& v) { hold_in_register(v); }
   static V set1(T x) { return _mm512_set1_pd(x); }
   static V load(const T* p) { return _mm512_loadu_pd(p); }
   static void store(T* p, V v) { _mm512_storeu_pd(p, v); }

@@ -70,7 +70,7 @@ struct Portable {
     return r;
   }
   static V zero() { return set1(T(0)); }
-  static void hold(V&) {}  // (see the SIMD vectors)
+  static void hold(V&) {}  // nothing to hold (see hold_register.h)
   static V set1(T x) {
     return map([x](int) { return x; });
   }
