@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import attnx
-from _hardening import record, scaled
+from _hardening import record, scaled, under_address_sanitizer
 from attnx import _core
 from conftest import assert_identical, mha_args, mha_mask, randn, sdpa_mask
 
@@ -444,6 +444,10 @@ def test_multiprocessing_fork_pool():
     assert proc.stdout.strip() == "True"
 
 
+@pytest.mark.skipif(
+    under_address_sanitizer(),
+    reason="GCC 12's ASan runtime does not lock its allocator around fork(): a fork while another "
+    "thread is inside the allocator leaves its lock held in the child, whose first allocation hangs")
 def test_fork_from_a_worker_thread_while_another_computes():
     code = FORK_PRELUDE.format(threads=2) + """
     stop = threading.Event()
