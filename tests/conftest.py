@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import tracemalloc
 import warnings
 
@@ -27,6 +28,26 @@ TOLERANCES = {
 }
 DTYPES = [np.float32, np.float64]
 DTYPE_IDS = ["f32", "f64"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+# ---------------------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """``ATTNX_TEST_SHARD=k/n`` keeps every n-th test from the k-th (0-based) and deselects the
+    rest: CI runs the sanitizer build's suite as two such shards side by side, one per core, since
+    most of its time is one Python thread. Dealt test by test, the heavy parametrized tests spread
+    over both shards."""
+    shard = os.environ.get("ATTNX_TEST_SHARD")
+    if not shard:
+        return
+    k, n = (int(x) for x in shard.split("/"))
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"ATTNX_TEST_SHARD must be k/n with 0 <= k < n, got {shard!r}")
+    config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i % n != k])
+    items[:] = items[k::n]
 
 
 # ---------------------------------------------------------------------------------------------
