@@ -692,9 +692,9 @@ struct Kernels {
   // loads and 1/4 of a store. (The rows one at a time, two keys at a time,
   // took a load per multiply-add and a store per two, and the stores bound
   // them: AVX2, D128, one core, B1 H2 L8 S1024 took 14-18% less time, H8
-  // S1024 12-17% less, L4 18%.) A row alone, decoding from memory, keeps to two keys at a
-  // time: with four, each burst of requests ahead doubles, and B1 H32 L1
-  // S2048 took 6-8% more time.
+  // L8 S1024 12-17% less, H8 L4 18% less.) A row alone, decoding from
+  // memory, keeps to two keys at a time: with four, each burst of requests
+  // ahead doubles, and B1 H32 L1 S2048 took 6-8% more time.
   template <Stored kSrc, typename P, int R>
   static void accumulate_pv_in_l1(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
                                   int64_t dim, T* const* acc, int64_t ahead,
@@ -824,9 +824,10 @@ struct Kernels {
     const int64_t vectors = (dim + W - 1) / W;
     // As many rows as hold their whole accumulators in registers together,
     // or, for rows longer than that, kRowGroup rows with theirs in L1.
+    const int fit = static_cast<int>(min64(kPvAccumulators, kPvAccumulators / vectors));
     const int group = dim > kLongestRowInRegisters && dim % W == 0
                           ? Vec::kRowGroup
-                          : imax(1, imin(Vec::kRowGroup, static_cast<int>(min64(kPvAccumulators, kPvAccumulators / vectors))));
+                          : imax(1, imin(Vec::kRowGroup, fit));
     const int64_t sub = rows > group ? row_sub_block<P>(dim) : n_keys;
     for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
       const int64_t n = min64(sub, n_keys - j0);
