@@ -322,7 +322,7 @@ void register_attention(py::module_& m) {
           throw py::type_error("query: expected float32 or float64");
       },
       py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
-      py::arg("causal"), py::arg("scale"), py::arg("out"), py::arg("weights"), py::kw_only(),
+      py::arg("causal"), py::arg("scale"), py::arg("out"), py::arg("weights"),
       py::arg("bottom_right") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
       py::arg("key_lengths") = py::none(), py::arg("query_lengths") = py::none(),
       "Scaled dot-product attention on canonical (B, H, L, E) views. key and value may be\n"

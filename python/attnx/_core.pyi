@@ -14,7 +14,6 @@ def sdpa(
     scale: float,
     out: npt.NDArray[np.floating],
     weights: npt.NDArray[np.floating] | None,
-    *,
     bottom_right: bool = False,
     window_left: int = -1,
     window_right: int = -1,

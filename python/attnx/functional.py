@@ -12,6 +12,10 @@ import math
 
 import numpy as np
 
+# Calls into _core pass every argument by position. Given any keyword, pybind11 looks each
+# parameter's name up among the keywords, making and interning a string a parameter: for
+# _core.mha 20 strings made and freed a call, and churn in the interpreter's table of
+# interned strings, which then grows by megabytes at unpredictable calls.
 from . import _core
 from ._arrays import (
     CAUSAL_CHOICES,
@@ -224,9 +228,9 @@ def scaled_dot_product_attention(
         scale,
         computed.reshape(q4.shape[:3] + (Ev,)),
         None,
-        bottom_right=bottom_right,
-        window_left=window_left,
-        window_right=window_right,
+        bottom_right,
+        window_left,
+        window_right,
     )
     if computed is not out:
         out[...] = computed
@@ -541,7 +545,7 @@ def multi_head_attention_forward(
         out_view,
         weights,
         average_attn_weights,
-        bottom_right=causal and bottom_right,
+        causal and bottom_right,
     )
     if not batched:
         out = out[0]
@@ -595,11 +599,11 @@ def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, out) -
         scale,
         computed,
         None,
-        bottom_right=True,
-        window_left=window_left,
-        window_right=window_right,
-        key_lengths=cache._lengths,
-        query_lengths=n,
+        True,  # bottom_right
+        window_left,
+        window_right,
+        cache._lengths,  # key_lengths
+        n,  # query_lengths
     )
     if computed is not out:
         out[...] = computed
