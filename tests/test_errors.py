@@ -10,6 +10,7 @@ crashes the process -- the private core included, which is called directly here 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -550,6 +551,16 @@ def test_core_sdpa_rejects(case):
     a = core_sdpa_args(weights=case.startswith("weights"))
     mutate(a)
     with pytest.raises(exc, match=match):
+        _core.sdpa(**a)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5), (7,), (), (1, 2, 3, 4, 5)])
+def test_core_messages_write_a_shape_as_python_does(shape):
+    # The core builds its messages without iostreams (see shape_string); they must still
+    # read like the tuple NumPy reports.
+    a = core_sdpa_args()
+    a["query"] = np.zeros(shape, np.float32)
+    with pytest.raises(ValueError, match=re.escape(f"query: expected 4 dimensions, got shape {shape}")):
         _core.sdpa(**a)
 
 

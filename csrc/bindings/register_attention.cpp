@@ -10,7 +10,6 @@
 
 #include <cmath>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -21,12 +20,14 @@
 
 namespace attnx::bindings {
 
+// Messages are put together with std::to_string, not iostreams: a build that
+// links libstdc++ statically (LDFLAGS=-static-libstdc++) next to the shared
+// libstdc++ that other extensions load crashed inside ostream's number
+// formatting, on the error path alone.
 std::string shape_string(const py::array& a) {
-  std::ostringstream s;
-  s << "(";
-  for (py::ssize_t d = 0; d < a.ndim(); ++d) s << (d ? ", " : "") << a.shape(d);
-  s << (a.ndim() == 1 ? ",)" : ")");
-  return s.str();
+  std::string s = "(";
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) s += (d ? ", " : "") + std::to_string(a.shape(d));
+  return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
 namespace {
@@ -37,11 +38,9 @@ template <typename View>
 void require_shape(const View& v, const char* name, std::initializer_list<int64_t> expected) {
   int d = 0;
   for (int64_t extent : expected) {
-    if (v.shape[d] != extent) {
-      std::ostringstream s;
-      s << name << ": dimension " << d << " is " << v.shape[d] << ", expected " << extent;
-      throw py::value_error(s.str());
-    }
+    if (v.shape[d] != extent)
+      throw py::value_error(std::string(name) + ": dimension " + std::to_string(d) + " is " +
+                            std::to_string(v.shape[d]) + ", expected " + std::to_string(extent));
     ++d;
   }
 }
