@@ -290,3 +290,27 @@ def test_attnx_adds_little_to_numpys_import_time():
         assert proc.returncode == 0, proc.stderr
         own.append(_cumulative_us(proc.stderr, "attnx") - _cumulative_us(proc.stderr, "numpy"))
     assert min(own) < 50_000, own
+
+
+# ---------------------------------------------------------------------------------------------
+# The test tools
+# ---------------------------------------------------------------------------------------------
+
+
+def _pyproject_list(section, key):
+    """The list ``key = [...]`` of ``[section]`` in the checkout's pyproject.toml, written on one
+    line (read as a Python literal, so that Python 3.9 and 3.10, without tomllib, check it too)."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text("utf-8")
+    body = re.search(rf"^\[{re.escape(section)}\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    assert body, f"pyproject.toml has no [{section}]"
+    line = re.search(rf"^{re.escape(key)} = (\[.*\])$", body.group(1), re.M)
+    assert line, f"[{section}] of pyproject.toml has no one-line {key} = [...]"
+    return ast.literal_eval(line.group(1))
+
+
+def test_test_group_and_test_extra_list_the_same_tools():
+    # The README installs the test tools with `pip install --group test`; the wheel's users and
+    # .ci/ship get them from the `test` extra. The two must not drift apart.
+    group = _pyproject_list("dependency-groups", "test")
+    extra = _pyproject_list("project.optional-dependencies", "test")
+    assert group == extra and "pytest>=7" in group, (group, extra)
