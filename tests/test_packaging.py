@@ -314,3 +314,11 @@ def test_test_group_and_test_extra_list_the_same_tools():
     group = _pyproject_list("dependency-groups", "test")
     extra = _pyproject_list("project.optional-dependencies", "test")
     assert group == extra and "pytest>=7" in group, (group, extra)
+
+
+def test_version_is_pyprojects():
+    # pip builds pass the version to CMake; a plain `cmake -S .` build reads it from
+    # pyproject.toml (CMakeLists.txt). Either way the extension reports the project's version.
+    text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text("utf-8")
+    version = re.search(r'^version = "([^"]+)"$', text, re.M).group(1)
+    assert attnx.__version__ == version == attnx.show_config()["version"], (attnx.__version__, version)
