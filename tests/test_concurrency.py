@@ -274,10 +274,12 @@ def _long_call(entry, size):
     return lambda: attnx.multi_head_attention_forward(**args)
 
 
-def spinner_pause_during(call, tries=3):
+def spinner_pause_during(call, held, tries=3):
     """(call seconds, longest pause of a spinning Python thread during it, its steps then).
 
-    The best of `tries` calls (the machine may be busy)."""
+    Of up to `tries` calls (the machine may be busy, and the spinner or the caller may wait for
+    a core), the one that speaks most for `held`: the longest pause for the share of the call
+    when the GIL should be held, the shortest when it should be released."""
     stamps = []
     done = threading.Event()
 
@@ -300,17 +302,21 @@ def spinner_pause_during(call, tries=3):
             points = [start] + inside + [end]
             longest_pause = max(b - a for a, b in zip(points, points[1:]))
             results.append((end - start, longest_pause, len(inside)))
-            if longest_pause < 0.5 * (end - start) and len(inside) > 100:
+            if held and longest_pause > 0.9 * (end - start):
+                break
+            if not held and longest_pause < 0.5 * (end - start) and len(inside) > 100:
                 break
     finally:
         done.set()
         spinner.join()
         sys.setswitchinterval(old)
-    return min(results, key=lambda r: r[1] / r[0])
+    return (max if held else min)(results, key=lambda r: r[1] / r[0])
 
 
 def test_the_gil_probe_sees_a_held_gil():
-    # sum() over a range runs in C without releasing the GIL: the spinner stops for it.
+    # sum() over a range runs in C without releasing the GIL: the spinner stops for it, all but
+    # the moments around the call's start and end, when either thread may wait for a core
+    # (0.87 of a 58 ms call once, in a suite run beside another on two cores).
     n = 1_000_000
     while True:
         start = time.perf_counter()
@@ -318,8 +324,8 @@ def test_the_gil_probe_sees_a_held_gil():
         if time.perf_counter() - start > 0.1 or n > 10**9:
             break
         n *= 2
-    duration, pause, _ = spinner_pause_during(lambda: sum(range(n)), tries=1)
-    assert pause > 0.9 * duration
+    duration, pause, _ = spinner_pause_during(lambda: sum(range(n)), held=True)
+    assert pause > 0.8 * duration, (duration, pause)
 
 
 GIL_ENTRIES = ["sdpa_plain", "sdpa_general", "core_sdpa", "core_sdpa_plain", "mha", "module"]
@@ -340,7 +346,7 @@ def test_gil_is_released_during_each_call(threads, entry):
         if time.perf_counter() - start > 0.1 or size >= 64:
             break
         size *= 2
-    duration, pause, count = spinner_pause_during(call)
+    duration, pause, count = spinner_pause_during(call, held=False)
     assert duration > 0.05, f"{entry}: the call ({duration:.3f} s) was too short to tell"
     assert pause < 0.5 * duration and count > 100, (entry, duration, pause, count)
     record(f"GIL released: {entry}", call_seconds=round(duration, 3),
