@@ -1,0 +1,294 @@
+// The register-tiled gemm of one instruction set, over a vector type `Vec`:
+// the flash tile's two products and the projections.
+// Included by attention_kernels.h alone, so that it is compiled only with
+// the flags of the instruction set that runs it.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kernel_table.h"
+#include "kernels/simd/kernel_helpers.h"
+
+namespace attnx::simd {
+// Internal linkage: this code is compiled once per instruction set, and no
+// copy of it may be merged with another built for a different one.
+namespace {
+
+// Register tile of gemm: MR rows x 2 vectors of C held in registers.
+constexpr int kPanelVectors = 2;
+// The longest run of k that one accumulator sums before its sum is folded
+// into C: float32 rounding error grows with the length of a sum, and runs of
+// 128 make a projection over E = 768 about as accurate as BLAS (x 1024 x 768
+// times w^T: max error 5.1e-6 as one run, 1.1e-6 in runs, OpenBLAS 2.4e-6),
+// for a fold of the tile into C (in L1) every 128 steps. gemm_panels
+// calls the tile once per run, so that the tile's code holds no fold.
+constexpr int64_t kSumRun = 128;
+
+// Whether gemm's A has unit row stride (a_row == 1), known when the tile is
+// compiled: its broadcasts then address A from one pointer at constant
+// offsets m, where two runtime strides take more address registers than
+// x86-64 has and the k loop spills its counters. That is the flash tile's
+// P.V, whose A is the probabilities, a column of queries per key: alone, one
+// AVX-512 core, 193 -> 212 GFLOP/s; in the attention, 1-2% less time (B8 L128
+// and L1024, median of 8 interleaved runs). (Row-major tiles for the scores,
+// a_col == 1, were as fast alone and slower in the attention.)
+enum class ALayout {
+  kStrided,     // A(m, k) = a[m * a_row + k * a_col]
+  kColumnMajor  // a_row == 1
+};
+
+template <class Vec>
+struct GemmKernels {
+  using T = typename Vec::T;
+  using V = typename Vec::V;
+  static constexpr int W = Vec::W;
+  static constexpr int NR = kPanelVectors * W;  // panel width
+  static constexpr int kWideWidth = Vec::kWideVectors * W;  // gemm_wide's panel width
+
+  // One MR x (NV * W) register tile: C tile = init + A(MR rows) . B(K x NV*W).
+  // The accumulators are plain locals, never address-taken, so that they
+  // stay in registers through the k loop. kA says whether A's row stride is
+  // 1 (see ALayout).
+  template <int MR, int NV, bool kFullWidth, ALayout kA = ALayout::kStrided>
+  static void gemm_tile(int64_t K, const T* a, int64_t a_row, int64_t a_col, const T* b,
+                        int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
+                        const T* init_values) {
+    // Lanes of each vector of a (possibly partial) row of the tile.
+    int len[NV];
+    for (int v = 0; v < NV; ++v) len[v] = kFullWidth ? W : imax(imin(n - v * W, W), 0);
+    auto load_row = [len](const T* p, int v) {
+      return kFullWidth ? Vec::load(p + v * W)
+                        : (len[v] ? Vec::load_partial(p + v * W, len[v]) : Vec::zero());
+    };
+    // Every branch of step 1 sets every accumulator; GCC cannot see that
+    // through the portable vector's lane array in the one-vector tiles.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+    V acc[MR][NV];
+    // Step 1: initialise the accumulators.
+    if (init == GemmInit::kBiasColumns) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const V bias = load_row(init_values, v);
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) acc[m][v] = bias;
+      }
+    } else if (init == GemmInit::kZero || init == GemmInit::kAddSum) {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
+    } else if (init == GemmInit::kBiasRows) {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const V bias = Vec::set1(init_values[m]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[m][v] = bias;
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const V s = init == GemmInit::kScaleRows ? Vec::set1(init_values[m]) : Vec::set1(T(1));
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          acc[m][v] = load_row(c + m * ldc, v);
+          if (init == GemmInit::kScaleRows) acc[m][v] = Vec::mul(acc[m][v], s);
+        }
+      }
+    }
+    // Step 2: rank-1 updates, one per k: broadcast A(m, k), multiply-add B row k.
+    if constexpr (kA == ALayout::kStrided && MR >= 16 && MR % 4 == 0) {
+      // Rows at a runtime stride, as MR / 4 pointers each read at 0, 1, 2
+      // and 3 strides: one index register per row (the general loop below)
+      // is more than x86-64 has, and the spilled indices cost more loads
+      // than the tile's multiply-adds can hide.
+      const T* quad[MR / 4];
+#pragma GCC unroll 4
+      for (int i = 0; i < MR / 4; ++i) quad[i] = a + 4 * i * a_row;
+      const int64_t s1 = a_row, s2 = 2 * a_row, s3 = 3 * a_row;
+#pragma GCC unroll 2
+      for (int64_t k = 0; k < K; ++k) {
+        const T* bk = b + k * ldb;
+        V bv[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
+        const int64_t ko = k * a_col;
+#pragma GCC unroll 4
+        for (int i = 0; i < MR / 4; ++i) {
+          const T* p = quad[i] + ko;
+          const V a0 = Vec::set1(p[0]), a1 = Vec::set1(p[s1]), a2 = Vec::set1(p[s2]),
+                  a3 = Vec::set1(p[s3]);
+#pragma GCC unroll 4
+          for (int v = 0; v < NV; ++v) {
+            acc[4 * i][v] = Vec::fmadd(a0, bv[v], acc[4 * i][v]);
+            acc[4 * i + 1][v] = Vec::fmadd(a1, bv[v], acc[4 * i + 1][v]);
+            acc[4 * i + 2][v] = Vec::fmadd(a2, bv[v], acc[4 * i + 2][v]);
+            acc[4 * i + 3][v] = Vec::fmadd(a3, bv[v], acc[4 * i + 3][v]);
+          }
+        }
+      }
+    } else
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) {
+      const T* bk = b + k * ldb;
+      V bv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
+      const T* ak = a + k * a_col;
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const V am = Vec::set1(ak[m * (kA == ALayout::kColumnMajor ? 1 : a_row)]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[m][v] = Vec::fmadd(am, bv[v], acc[m][v]);
+      }
+    }
+    // Step 3: store.
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      T* cm = c + m * ldc;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        if (init == GemmInit::kAddSum) acc[m][v] = Vec::add(load_row(cm, v), acc[m][v]);
+        if (kFullWidth)
+          Vec::store(cm + v * W, acc[m][v]);
+        else if (len[v])
+          Vec::store_partial(cm + v * W, acc[m][v], len[v]);
+      }
+    }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+  }
+
+  // The tile for the last `rows` < MR rows: recurse down to that count.
+  template <int MR, int NV, bool kFullWidth>
+  static void gemm_rows(int rows, int64_t K, const T* a, int64_t a_row, int64_t a_col,
+                        const T* b, int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
+                        const T* init_values) {
+    if constexpr (MR > 1) {
+      if (rows < MR)
+        return gemm_rows<MR - 1, NV, kFullWidth>(rows, K, a, a_row, a_col, b, ldb, c, ldc, n,
+                                                 init, init_values);
+    }
+    gemm_tile<MR, NV, kFullWidth>(K, a, a_row, a_col, b, ldb, c, ldc, n, init, init_values);
+  }
+
+  // One panel of C (n columns from c, B's from b, init_values offset to the
+  // panel's columns) MR rows at a time, each row tile over k in runs of
+  // kSumRun: the first run starts C as `init` says, each later one sums from
+  // zero and adds to C.
+  // Tiles of MR rows take the layout kA; the last, shorter ones the general
+  // tile.
+  template <int MR, int NV, bool kFullWidth, ALayout kA = ALayout::kStrided>
+  static void gemm_panel(int64_t M, int64_t K, const T* a, int64_t a_row, int64_t a_col,
+                         const T* b, int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
+                         const T* init_values) {
+    for (int64_t m0 = 0; m0 < M;) {
+      // A last tile of fewer than MR / 2 rows has too few accumulators to
+      // hide the multiply-add latency: the last MR + r rows then go as two
+      // tiles of about half that (32 rows, MR = 6: 6 6 6 6 4 4, not ... 6 2).
+      const int64_t left = M - m0;
+      int rows = static_cast<int>(min64(MR, left));
+      if (left > MR && left < MR + MR / 2) rows = static_cast<int>((left + 1) / 2);
+      const int64_t r0 = m0;
+      m0 += rows;
+      const T* init_m = init == GemmInit::kScaleRows || init == GemmInit::kBiasRows
+                            ? init_values + r0
+                            : init_values;
+      for (int64_t k0 = 0;;) {
+        const int64_t run = min64(kSumRun, K - k0);
+        const T* a_tile = a + r0 * a_row + k0 * a_col;
+        const GemmInit run_init = k0 == 0 ? init : GemmInit::kAddSum;
+        if (kA != ALayout::kStrided && rows == MR)
+          gemm_tile<MR, NV, kFullWidth, kA>(run, a_tile, a_row, a_col, b + k0 * ldb, ldb,
+                                            c + r0 * ldc, ldc, n, run_init, init_m);
+        else
+          gemm_rows<MR, NV, kFullWidth>(rows, run, a_tile, a_row, a_col, b + k0 * ldb, ldb,
+                                        c + r0 * ldc, ldc, n, run_init, init_m);
+        k0 += run;
+        if (k0 >= K) break;
+      }
+    }
+  }
+
+  // gemm over panels NV vectors wide, MR rows at a time.
+  template <int MR, int NV>
+  static void gemm_panels(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row,
+                          int64_t a_col, const T* b, int64_t ldb, T* c, int64_t ldc,
+                          GemmInit init, const T* init_values) {
+    constexpr int kWidth = NV * W;
+    for (int64_t n0 = 0; n0 < N; n0 += kWidth) {
+      const int n = static_cast<int>(min64(kWidth, N - n0));
+      const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
+      if (n == kWidth) {
+        // gemm's own tile (not gemm_wide's) on a column-major A: the flash
+        // tile's P.V.
+        if constexpr (Vec::kColumnMajorTile && MR == Vec::kGemmRows && NV == kPanelVectors) {
+          if (a_row == 1) {
+            gemm_panel<MR, NV, true, ALayout::kColumnMajor>(M, K, a, a_row, a_col, b + n0, ldb,
+                                                            c + n0, ldc, n, init, init_n);
+            continue;
+          }
+        }
+        gemm_panel<MR, NV, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
+                                 init_n);
+      } else if (NV > 1 && n == W) {
+        // A panel of one vector (a few queries, a head dim of 16): a tile one
+        // vector wide spends no multiply-adds on the empty vectors, and holds
+        // more rows (see kOneVectorRows). The sums go in the same order: the
+        // same bits.
+        constexpr int kRows = Vec::kOneVectorRows;
+        if constexpr (Vec::kColumnMajorTile && MR == Vec::kGemmRows && NV == kPanelVectors) {
+          if (a_row == 1) {
+            gemm_panel<kRows, 1, true, ALayout::kColumnMajor>(M, K, a, a_row, a_col, b + n0, ldb,
+                                                              c + n0, ldc, n, init, init_n);
+            continue;
+          }
+        }
+        gemm_panel<kRows, 1, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
+                                   init_n);
+      } else {
+        gemm_panel<MR, NV, false>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
+                                  init_n);
+      }
+    }
+  }
+
+  static void gemm(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row, int64_t a_col,
+                   const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init,
+                   const T* init_values) {
+    gemm_panels<Vec::kGemmRows, kPanelVectors>(M, N, K, a, a_row, a_col, b, ldb, c, ldc, init,
+                                               init_values);
+  }
+
+  // The same with the ISA's wide register tile (where registers allow, 4-vector
+  // panels and half the rows: fewer loads per multiply-add), for a B that is
+  // wide and contiguous.
+  static void gemm_wide(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row,
+                        int64_t a_col, const T* b, int64_t ldb, T* c, int64_t ldc, GemmInit init,
+                        const T* init_values) {
+    gemm_panels<Vec::kWideRows, Vec::kWideVectors>(M, N, K, a, a_row, a_col, b, ldb, c, ldc, init,
+                                                   init_values);
+  }
+
+  // The FMA peak the tiles aim at: kFmaProbeChains independent chains of
+  // multiply-adds in registers.
+  static T fma_probe(int64_t iterations) {
+    V acc[kFmaProbeChains];
+    for (int c = 0; c < kFmaProbeChains; ++c) acc[c] = Vec::set1(T(c));
+    // x <- 0.999 x + 1 tends to 1000: no overflow, no subnormals.
+    const V a = Vec::set1(T(0.999)), b = Vec::set1(T(1));
+    for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+      for (int c = 0; c < kFmaProbeChains; ++c) acc[c] = Vec::fmadd(acc[c], a, b);
+    }
+    V sum = acc[0];
+    for (int c = 1; c < kFmaProbeChains; ++c) sum = Vec::add(sum, acc[c]);
+    return Vec::reduce_add(sum);
+  }
+};
+
+}  // namespace
+}  // namespace attnx::simd

@@ -1,0 +1,454 @@
+// Row kernels of one instruction set, over a vector type `Vec`: a few query
+// rows against many keys (decoding), each key or value row read once for
+// several queries, and the projections of a few rows (dot_rows).
+// Included by attention_kernels.h alone, so that it is compiled only with
+// the flags of the instruction set that runs it.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kernel_table.h"
+#include "kernels/simd/kernel_helpers.h"
+
+namespace attnx::simd {
+// Internal linkage: this code is compiled once per instruction set, and no
+// copy of it may be merged with another built for a different one.
+namespace {
+
+template <class Vec>
+struct RowKernels {
+  using T = typename Vec::T;
+  using V = typename Vec::V;
+  static constexpr int W = Vec::W;
+  // Accumulator vectors of the grouped P.V row kernel: 16 of 32 registers
+  // (AVX-512), 8 of 16.
+  static constexpr int kPvAccumulators = 4 * Vec::kRowGroup;
+  // Keys per sub-block of the row kernels when their rows go in several
+  // groups: each group passes over the sub-block's keys (or values) in turn,
+  // and 16 KiB of them stay in L1 for the next group, where a whole block
+  // (128 keys of 512 bytes: 64 KiB) came from L2 for each.
+  template <typename P>
+  static int64_t row_sub_block(int64_t dim) {
+    const int64_t keys = (16 * 1024) / (dim * int64_t(sizeof(P)) + 1);
+    return keys < 16 ? 16 : keys / 4 * 4;
+  }
+
+  // Loads of stored elements as vectors of T: T itself, or 16-bit floats
+  // (float16, bfloat16) widened on the way in.
+  enum class Stored { kNative, kFloat16, kBfloat16 };
+  template <Stored kSrc, typename P>
+  static V load_stored(const P* p) {
+    if constexpr (kSrc == Stored::kFloat16)
+      return Vec::load_widen_f16(p);
+    else if constexpr (kSrc == Stored::kBfloat16)
+      return Vec::load_widen_bf16(p);
+    else
+      return Vec::load(p);
+  }
+  template <Stored kSrc, typename P>
+  static V load_stored_partial(const P* p, int n) {
+    if constexpr (kSrc == Stored::kFloat16)
+      return Vec::load_widen_f16_partial(p, n);
+    else if constexpr (kSrc == Stored::kBfloat16)
+      return Vec::load_widen_bf16_partial(p, n);
+    else
+      return Vec::load_partial(p, n);
+  }
+
+  // scores for R query rows against the keys: each key vector is loaded
+  // once for the R rows, and R x 4 sums run side by side (one row's four
+  // chains alone wait on the multiply-add latency). Each (row, key) sum is
+  // taken in the same order whatever R is, so a row's scores do not depend
+  // on the rows it is grouped with.
+  template <Stored kSrc, typename P, int R>
+  static void scores_group(const T* const* q, const P* k, int64_t ldk, int64_t n_keys,
+                           int64_t dim, T scale, T* const* dst, int64_t ahead,
+                           int64_t prefetch_end) {
+    int64_t j = 0;
+    for (; j + 4 <= n_keys; j += 4) {
+      const P* kr[4] = {k + j * ldk, k + (j + 1) * ldk, k + (j + 2) * ldk, k + (j + 3) * ldk};
+      const P* ka = ahead && j + ahead + 4 <= prefetch_end ? kr[0] + ahead * ldk : nullptr;
+      V acc[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) acc[r][u] = Vec::zero();
+      int64_t i = 0;
+      for (; i + W <= dim; i += W) {
+        V kv[4];
+#if defined(__GNUC__)
+        if (ka)
+          for (int u = 0; u < 4; ++u) __builtin_prefetch(ka + u * ldk + i);
+#endif
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          kv[u] = load_stored<kSrc>(kr[u] + i);
+          // Held in a register for the R rows, where GCC would load it
+          // again as an operand of each row's multiply-add (AVX2, D128, one
+          // core, B1 H8 L4-L8 S1024: 8-9% less time; grouped heads decoding
+          // from memory, B1 H32/8 S4096, 3% more).
+          if constexpr (R > 1) Vec::hold(kv[u]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const V qi = Vec::load(q[r] + i);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) acc[r][u] = Vec::fmadd(qi, kv[u], acc[r][u]);
+        }
+      }
+      if (i < dim) {
+        const int len = static_cast<int>(dim - i);
+        V kv[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) kv[u] = load_stored_partial<kSrc>(kr[u] + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const V qi = Vec::load_partial(q[r] + i, len);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) acc[r][u] = Vec::fmadd(qi, kv[u], acc[r][u]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        T sums[4];
+        Vec::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * sums[u];
+      }
+    }
+    for (; j < n_keys; ++j) {
+      const P* kj = k + j * ldk;
+      V acc[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
+      for (int64_t i = 0; i < dim; i += W) {
+        const int len = static_cast<int>(min64(W, dim - i));
+        const V kv = load_stored_partial<kSrc>(kj + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r] = Vec::fmadd(Vec::load_partial(q[r] + i, len), kv, acc[r]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) dst[r][j] = scale * Vec::reduce_add(acc[r]);
+    }
+  }
+
+  // dst[r][j] = scale * <q[r], k_j> for r < rows, j < n_keys, kRowGroup rows
+  // at a time; only the first group streams the keys (the others find them
+  // in cache). With more rows than one group, the keys go in sub-blocks that
+  // stay in L1 for every group (see row_sub_block).
+  template <Stored kSrc, typename P>
+  static void scores_of(const T* const* q, int rows, const P* k, int64_t ldk, int64_t n_keys,
+                        int64_t dim, T scale, T* const* dst, bool stream) {
+    const int64_t ahead = prefetch_distance<P>(stream, dim);
+    const int64_t sub = rows > Vec::kRowGroup ? row_sub_block<P>(dim) : n_keys;
+    for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
+      const int64_t n = min64(sub, n_keys - j0);
+      const P* k0 = k + j0 * ldk;
+      for (int r0 = 0; r0 < rows; r0 += Vec::kRowGroup) {
+        const int count = imin(rows - r0, Vec::kRowGroup);
+        T* d[Vec::kRowGroup];
+        for (int i = 0; i < count; ++i) d[i] = dst[r0 + i] + j0;
+        const T* const* qg = q + r0;
+        const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
+        switch (count) {
+          case 1: scores_group<kSrc, P, 1>(qg, k0, ldk, n, dim, scale, d, a, end); break;
+          case 2: scores_group<kSrc, P, 2>(qg, k0, ldk, n, dim, scale, d, a, end); break;
+          case 3:
+            if constexpr (Vec::kRowGroup >= 3)
+              scores_group<kSrc, P, 3>(qg, k0, ldk, n, dim, scale, d, a, end);
+            break;
+          default:
+            if constexpr (Vec::kRowGroup >= 4)
+              scores_group<kSrc, P, 4>(qg, k0, ldk, n, dim, scale, d, a, end);
+            break;
+        }
+      }
+    }
+  }
+
+  // dot_rows for R rows of x, 4 rows of w at a time: each vector of a w row
+  // is loaded once for the R rows, each of x once for the 4 rows of w.
+  template <int R>
+  static void dot_rows_of(const T* const* x, const T* w, int64_t ldw, int64_t n, int64_t dim,
+                          T* const* y) {
+    const int64_t ahead = prefetch_distance<T>(true, dim);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const T* wj = w + j * ldw;
+      const T* wa = ahead && j + ahead + 4 <= n ? wj + ahead * ldw : nullptr;
+      V acc[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) acc[r][u] = Vec::zero();
+      for (int64_t i = 0; i < dim; i += W) {
+        const int len = static_cast<int>(min64(W, dim - i));
+        V wv[4], xv[R];
+#if defined(__GNUC__)
+        if (wa)
+          for (int u = 0; u < 4; ++u) __builtin_prefetch(wa + u * ldw + i);
+#endif
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u)
+          wv[u] = len == W ? Vec::load(wj + u * ldw + i) : Vec::load_partial(wj + u * ldw + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          xv[r] = len == W ? Vec::load(x[r] + i) : Vec::load_partial(x[r] + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) acc[r][u] = Vec::fmadd(xv[r], wv[u], acc[r][u]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) y[r][j + u] = Vec::reduce_add(acc[r][u]);
+    }
+    for (; j < n; ++j) {
+      const T* wj = w + j * ldw;
+      V acc[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
+      for (int64_t i = 0; i < dim; i += W) {
+        const int len = static_cast<int>(min64(W, dim - i));
+        const V wv = Vec::load_partial(wj + i, len);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r] = Vec::fmadd(Vec::load_partial(x[r] + i, len), wv, acc[r]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) y[r][j] = Vec::reduce_add(acc[r]);
+    }
+  }
+
+  static void dot_rows(const T* const* x, int rows, const T* w, int64_t ldw, int64_t n,
+                       int64_t dim, T* const* y) {
+    for (int r0 = 0; r0 < rows; r0 += kDotRowsMax) {
+      switch (imin(rows - r0, kDotRowsMax)) {
+        case 1: dot_rows_of<1>(x + r0, w, ldw, n, dim, y + r0); break;
+        case 2: dot_rows_of<2>(x + r0, w, ldw, n, dim, y + r0); break;
+        case 3: dot_rows_of<3>(x + r0, w, ldw, n, dim, y + r0); break;
+        default: dot_rows_of<4>(x + r0, w, ldw, n, dim, y + r0); break;
+      }
+    }
+  }
+
+  static void scores(const T* const* q, int rows, const T* k, int64_t ldk, int64_t n_keys,
+                     int64_t dim, T scale, T* const* dst, bool stream) {
+    scores_of<Stored::kNative>(q, rows, k, ldk, n_keys, dim, scale, dst, stream);
+  }
+
+  // accumulate_pv_group's pass over the keys for columns [d0, d0 + NV W) of
+  // the accumulators; v points at column d0 of the first value row.
+  template <Stored kSrc, typename P, int R, int NV>
+  static void accumulate_pv_chunk(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
+                                  T* const* acc, int64_t d0, int64_t ahead, int64_t prefetch_end) {
+    V a[R][NV];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) a[r][u] = Vec::load(acc[r] + d0 + u * W);
+    for (int64_t j = 0; j < n_keys; ++j) {
+      const P* vj = v + j * ldv;
+      if (ahead && j + ahead < prefetch_end) prefetch_rows(vj + ahead * ldv, ldv, 1, NV * W);
+      V vv[NV];
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) {
+        vv[u] = load_stored<kSrc>(vj + u * W);
+        // Loaded once for the R rows (see scores_group).
+        if constexpr (R > 1) Vec::hold(vv[u]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const V pj = Vec::set1(p[r][j]);
+#pragma GCC unroll 16
+        for (int u = 0; u < NV; ++u) a[r][u] = Vec::fmadd(pj, vv[u], a[r][u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) Vec::store(acc[r] + d0 + u * W, a[r][u]);
+  }
+
+  // The longest value row whose accumulator stays in registers (one row).
+  static constexpr int64_t kLongestRowInRegisters = 8 * W;
+
+  // accumulate_pv_group for rows longer than the registers hold: rather
+  // than one pass over the keys per chunk of the row (each reading part of
+  // every value row, a strided stream), one pass reading whole rows, with
+  // the R accumulators in L1, four keys at a time: each vector of an
+  // accumulator is loaded and stored once per four keys, each value vector
+  // loaded once for the R rows, so that a multiply-add costs (1 + R) / 4R
+  // loads and 1/4 of a store. (The rows one at a time, two keys at a time,
+  // took a load per multiply-add and a store per two, and the stores bound
+  // them: AVX2, D128, one core, B1 H2 L8 S1024 took 14-18% less time, H8
+  // L8 S1024 12-17% less, H8 L4 18% less.) A row alone, decoding from
+  // memory, keeps to two keys at a time: with four, each burst of requests
+  // ahead doubles, and B1 H32 L1 S2048 took 6-8% more time.
+  template <Stored kSrc, typename P, int R>
+  static void accumulate_pv_in_l1(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
+                                  int64_t dim, T* const* acc, int64_t ahead,
+                                  int64_t prefetch_end) {
+    constexpr int kKeys = R == 1 ? 2 : 4;
+    // The rows' pointers in locals: GCC cannot tell that the stores into
+    // the accumulators leave acc[] as it was, and would load acc[r] again
+    // for every vector.
+    T* out[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
+    int64_t j = 0;
+    for (; j + kKeys <= n_keys; j += kKeys) {
+      V pk[R][kKeys];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < kKeys; ++u) pk[r][u] = Vec::set1(p[r][j + u]);
+      const P* vj = v + j * ldv;
+      if (ahead && j + ahead + kKeys <= prefetch_end)
+        prefetch_rows(vj + ahead * ldv, ldv, kKeys, dim);
+      for (int64_t d = 0; d < dim; d += W) {
+        V vv[kKeys];
+#pragma GCC unroll 4
+        for (int u = 0; u < kKeys; ++u) vv[u] = load_stored<kSrc>(vj + u * ldv + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          V a = Vec::load(out[r] + d);
+#pragma GCC unroll 4
+          for (int u = 0; u < kKeys; ++u) a = Vec::fmadd(pk[r][u], vv[u], a);
+          Vec::store(out[r] + d, a);
+        }
+      }
+    }
+    for (; j < n_keys; ++j) {
+      const P* vj = v + j * ldv;
+      V pj[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) pj[r] = Vec::set1(p[r][j]);
+      for (int64_t d = 0; d < dim; d += W) {
+        const V vv = load_stored<kSrc>(vj + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          Vec::store(out[r] + d, Vec::fmadd(pj[r], vv, Vec::load(out[r] + d)));
+      }
+    }
+  }
+
+  // accumulate_pv for R rows: each value vector is loaded once for the R
+  // rows. Every element takes fma(p_j, v_j, acc) in key order, whatever R
+  // and the chunking: the same sums to the bit.
+  template <Stored kSrc, typename P, int R>
+  static void accumulate_pv_group(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
+                                  int64_t dim, T* const* acc, int64_t ahead, int64_t prefetch_end) {
+    // Up to 8 vectors of one row's accumulator stay in registers across the
+    // keys, so a value row of up to 8W elements is streamed once; R rows
+    // keep kPvAccumulators / R vectors each (the value vectors take most of
+    // the other registers), a pass over the keys per chunk of that many.
+    constexpr int kVectors = R == 1 ? 8 : kPvAccumulators / R;
+    constexpr int kChunk = kVectors * W;
+    if (dim > kLongestRowInRegisters && dim % W == 0) {
+      accumulate_pv_in_l1<kSrc, P, R>(p, v, ldv, n_keys, dim, acc, ahead, prefetch_end);
+      return;
+    }
+    for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
+      const int len = static_cast<int>(min64(kChunk, dim - d0));
+      // A whole chunk, or half of one (a head dim of 64 in a chunk of 128):
+      // straight-line code, the accumulators in registers (the general form
+      // below keeps them on the stack).
+      if (len == kChunk) {
+        accumulate_pv_chunk<kSrc, P, R, kVectors>(p, v + d0, ldv, n_keys, acc, d0, ahead,
+                                                  prefetch_end);
+        continue;
+      }
+      if constexpr (kVectors % 2 == 0) {
+        if (len == kChunk / 2) {
+          accumulate_pv_chunk<kSrc, P, R, kVectors / 2>(p, v + d0, ldv, n_keys, acc, d0, ahead,
+                                                        prefetch_end);
+          continue;
+        }
+      }
+      const int full = len / W, tail = len % W;
+      V a[R][kVectors];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int u = 0; u < kVectors; ++u)
+          a[r][u] = u < full ? Vec::load(acc[r] + d0 + u * W)
+                             : (u == full && tail ? Vec::load_partial(acc[r] + d0 + u * W, tail)
+                                                  : Vec::zero());
+      for (int64_t j = 0; j < n_keys; ++j) {
+        const P* vj = v + j * ldv + d0;
+        if (ahead && j + ahead < prefetch_end) prefetch_rows(vj + ahead * ldv, ldv, 1, len);
+        V vv[kVectors];
+#pragma GCC unroll 8
+        for (int u = 0; u < kVectors; ++u)
+          vv[u] = u < full ? load_stored<kSrc>(vj + u * W)
+                           : (u == full && tail ? load_stored_partial<kSrc>(vj + u * W, tail)
+                                                : Vec::zero());
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const V pj = Vec::set1(p[r][j]);
+#pragma GCC unroll 8
+          for (int u = 0; u < kVectors; ++u)
+            if (u < full || (u == full && tail)) a[r][u] = Vec::fmadd(pj, vv[u], a[r][u]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+        for (int u = 0; u < kVectors; ++u)
+          if (u < full) Vec::store(acc[r] + d0 + u * W, a[r][u]);
+        if (tail) Vec::store_partial(acc[r] + d0 + full * W, a[r][full], tail);
+      }
+    }
+  }
+
+  // acc[r][:dim] += sum_j p[r][j] * v_j over j < n_keys for r < rows,
+  // as many rows at a time (up to kRowGroup) as hold a whole value row in
+  // registers, so that each group reads every value row in one pass; only
+  // the first group streams the values (the others find them in cache, in
+  // sub-blocks that stay in L1 where there is more than one group).
+  template <Stored kSrc, typename P>
+  static void accumulate_pv_of(const T* const* p, int rows, const P* v, int64_t ldv,
+                               int64_t n_keys, int64_t dim, T* const* acc, bool stream) {
+    const int64_t ahead = prefetch_distance<P>(stream, dim);
+    const int64_t vectors = (dim + W - 1) / W;
+    // As many rows as hold their whole accumulators in registers together,
+    // or, for rows longer than that, kRowGroup rows with theirs in L1.
+    const int fit = static_cast<int>(min64(kPvAccumulators, kPvAccumulators / vectors));
+    const int group = dim > kLongestRowInRegisters && dim % W == 0
+                          ? Vec::kRowGroup
+                          : imax(1, imin(Vec::kRowGroup, fit));
+    const int64_t sub = rows > group ? row_sub_block<P>(dim) : n_keys;
+    for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
+      const int64_t n = min64(sub, n_keys - j0);
+      const P* v0 = v + j0 * ldv;
+      for (int r0 = 0; r0 < rows; r0 += group) {
+        const int count = imin(rows - r0, group);
+        const T* pg[Vec::kRowGroup];
+        for (int i = 0; i < count; ++i) pg[i] = p[r0 + i] + j0;
+        T* const* ag = acc + r0;
+        const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
+        switch (count) {
+          case 1: accumulate_pv_group<kSrc, P, 1>(pg, v0, ldv, n, dim, ag, a, end); break;
+          case 2: accumulate_pv_group<kSrc, P, 2>(pg, v0, ldv, n, dim, ag, a, end); break;
+          case 3:
+            if constexpr (Vec::kRowGroup >= 3)
+              accumulate_pv_group<kSrc, P, 3>(pg, v0, ldv, n, dim, ag, a, end);
+            break;
+          default:
+            if constexpr (Vec::kRowGroup >= 4)
+              accumulate_pv_group<kSrc, P, 4>(pg, v0, ldv, n, dim, ag, a, end);
+            break;
+        }
+      }
+    }
+  }
+
+  static void accumulate_pv(const T* const* p, int rows, const T* v, int64_t ldv,
+                            int64_t n_keys, int64_t dim, T* const* acc, bool stream) {
+    accumulate_pv_of<Stored::kNative>(p, rows, v, ldv, n_keys, dim, acc, stream);
+  }
+};
+
+}  // namespace
+}  // namespace attnx::simd
