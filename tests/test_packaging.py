@@ -322,3 +322,28 @@ def test_version_is_pyprojects():
     text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text("utf-8")
     version = re.search(r'^version = "([^"]+)"$', text, re.M).group(1)
     assert attnx.__version__ == version == attnx.show_config()["version"], (attnx.__version__, version)
+
+
+def test_isa_code_is_included_only_where_its_flags_apply():
+    # The kernels of csrc/kernels/simd/ (the kernel parts and the vector types) are compiled
+    # with one instruction set's flags: included from a driver or a binding, built for plain
+    # x86-64, they would put AVX2 or AVX-512 instructions on a path that runs on every CPU, or
+    # let the linker keep one ISA's copy of a function for all. Only the one translation unit
+    # per ISA includes them (or the simd headers one another), and it includes its own vector
+    # type alone.
+    csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    own_vector_type = {"avx2": "vec_avx2.h", "avx512": "vec_avx512.h", "scalar": "vec_portable.h"}
+    sources = [p for p in csrc.rglob("*") if p.suffix in (".h", ".cpp")]
+    assert len(sources) > 20, f"no sources found under {csrc}"
+    units = {}
+    for path in sources:
+        rel = path.relative_to(csrc).as_posix()
+        included = re.findall(r'^#include "kernels/simd/([^"]+)"', path.read_text("utf-8"), re.M)
+        if not included or rel.startswith("kernels/simd/"):
+            continue
+        unit = re.fullmatch(r"kernels/(\w+)/kernels__\1\.cpp", rel)
+        assert unit and unit.group(1) in own_vector_type, f"{rel} includes ISA code {included}"
+        vector_types = [name for name in included if name.startswith("vec_")]
+        assert vector_types == [own_vector_type[unit.group(1)]], (rel, vector_types)
+        units[unit.group(1)] = included
+    assert sorted(units) == sorted(own_vector_type), units
