@@ -407,6 +407,33 @@ def test_step_with_a_float16_cache(rng):
     np.testing.assert_allclose(got, full, rtol=1e-2, atol=1e-2)  # keys and values rounded to float16
 
 
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_step_with_heads_of_one_dimension(rng, batch_first, batch):
+    """Found by the fuzzer: with head_dim 1 (embed_dim == num_heads) and several new tokens,
+    merging the heads back into rows gave a view whose last axis is strided (numpy merges
+    the size-1 head axis without a copy), and the output projection raised ValueError after
+    the keys and values had been appended to the cache."""
+    E = H = 3
+    m = random_module(rng, E, H, f32, batch_first=batch_first)
+    sequences = [randn(rng, (5, E), f32) for _ in range(batch)]
+    cache = m.new_cache(batch=batch, max_len=5)
+    got = decode(m, cache, sequences, [3] * batch, batch_first)
+    for s, g in zip(sequences, got):
+        full, _ = m(s, s, s, is_causal=True, need_weights=False)
+        np.testing.assert_allclose(g, full, rtol=1e-5, atol=1e-5)
+
+
+def test_step_reads_a_misaligned_query(rng):
+    m = random_module(rng, 8, 2, f32)
+    x = randn(rng, (4, 1, 8), f32)
+    buf = np.zeros(x.nbytes + 1, np.uint8)
+    misaligned = np.frombuffer(buf.data, f32, count=x.size, offset=1).reshape(x.shape)
+    misaligned[...] = x
+    assert not misaligned.flags.aligned
+    expected = m.step(x, m.new_cache(1, 4))
+    np.testing.assert_array_equal(m.step(misaligned, m.new_cache(1, 4)), expected)
+
 def test_step_errors(rng):
     m = attnx.MultiheadAttention(8, 2)
     x = randn(rng, (1, 2, 8), f32)

@@ -833,8 +833,9 @@ def multi_head_attention_step(
     b_out = None if out_proj_bias is None else _param(out_proj_bias, dtype, "out_proj_bias", (E_out,))
     n = _query_lengths(lengths, B, T)
 
-    # Rows of the projections in the query's own order: (t, b) or (b, t).
-    rows = np.ascontiguousarray(x3).reshape(-1, E)
+    # Rows of the projections in the query's own order: (t, b) or (b, t), in a layout the
+    # core reads (a misaligned query is copied: ascontiguousarray would keep it as it is).
+    rows = kernel_layout(x3.reshape(-1, E))
     N = rows.shape[0]
     out_shape = {"unbatched": (T, E_out), "seq_first": (T, B, E_out), "batch_first": (B, T, E_out)}[layout]
     if N == 0:
@@ -868,6 +869,8 @@ def multi_head_attention_step(
     else:
         merged = attn.transpose(2, 0, 1, 3).reshape(N, E)
     result = np.empty((N, E_out), dtype)
-    _core.linear(merged, kernel_layout(w_out), None if b_out is None else kernel_layout(b_out), result)
+    # merged may be a view with a strided last axis: with head_dim 1, numpy merges the heads
+    # into rows without a copy.
+    _core.linear(kernel_layout(merged), kernel_layout(w_out), None if b_out is None else kernel_layout(b_out), result)
     result = result.reshape(out_shape)
     return result if result_dtype == dtype else result.astype(result_dtype)
