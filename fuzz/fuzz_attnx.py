@@ -2,11 +2,13 @@
 
 ``TestOneInput(data)`` turns a byte string into one call of an attnx entry point --
 ``scaled_dot_product_attention``, ``multi_head_attention_forward``, ``MultiheadAttention``
-(construction, forward, ``load_state_dict``), ``set_num_threads``, and the private
-``_core.sdpa`` / ``_core.sdpa_plain`` / ``_core.mha`` -- built as a valid call that is then
-mutated 0 to 3 times: an argument replaced by a malformed value (wrong rank, shape, dtype,
-strides, byte order, alignment, a list, a string, None, an object whose ``__array__``
-raises, ...), or resized, or re-typed, or re-laid-out. The only allowed outcomes:
+(construction, forward, ``load_state_dict``), ``set_num_threads``, ``KVCache`` with
+``cached_attention``, ``multi_head_attention_step`` (a few decoding steps over a cache), and
+the private ``_core.sdpa`` / ``_core.sdpa_plain`` / ``_core.mha`` / ``_core.MhaPlan`` --
+built as a valid call that is then mutated 0 to 3 times: an argument replaced by a
+malformed value (wrong rank, shape, dtype, strides, byte order, alignment, a list, a
+string, None, an object whose ``__array__`` raises, ...), or resized, or re-typed, or
+re-laid-out. The only allowed outcomes:
 
 * a result equal to the float64 reference's (``attnx.reference``, to the contract's
   tolerances, NaN/Inf where it has them) -- and an unmutated call must give one;
@@ -981,8 +983,145 @@ def fuzz_cache(p: Provider):
                 moderate, tolerance)
 
 
+STEP_ARRAYS = ["query", "in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias",
+               "q_proj_weight", "k_proj_weight", "v_proj_weight", "lengths"]
+
+
+def step_expected(a, cache, before, n):
+    """float64 expectation of one multi_head_attention_step that appended n[b] tokens to
+    sequence b of `cache` (which held before[b]): the new tokens' queries, keys and values
+    (B, H, T, D) and the step's output; raises where the arguments describe no valid step."""
+    x = np.asarray(a["query"])
+    if x.dtype.kind != "f":
+        raise TypeError("query")
+    x = x.astype(np.float64)
+    layout = "unbatched" if x.ndim == 2 else ("batch_first" if a["batch_first"] else "seq_first")
+    xb = {"unbatched": lambda: x[None], "batch_first": lambda: x, "seq_first": lambda: x.transpose(1, 0, 2)}[layout]()
+    B, T, E = xb.shape
+    H = a["num_heads"]
+    D = E // H
+
+    def param(name, shape):
+        value = np.asarray(a[name])
+        if value.dtype.kind != "f" or value.shape != shape:
+            raise ValueError(name)
+        return value.astype(np.float64)
+
+    if a["use_separate_proj_weight"]:
+        w_in = np.concatenate([param(name, (E, E)) for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight")])
+    else:
+        w_in = param("in_proj_weight", (3 * E, E))
+    b_in = np.zeros(3 * E) if a["in_proj_bias"] is None else param("in_proj_bias", (3 * E,))
+    w_out = np.asarray(a["out_proj_weight"])
+    if w_out.dtype.kind != "f" or w_out.ndim != 2 or w_out.shape[1] != E:
+        raise ValueError("out_proj_weight")
+    w_out = w_out.astype(np.float64)
+    b_out = np.zeros(w_out.shape[0]) if a["out_proj_bias"] is None else param("out_proj_bias", (w_out.shape[0],))
+    qkv = xb @ w_in.T + b_in
+    q, k, v = (qkv[..., i * E:(i + 1) * E].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3))
+    attn = reference.cached_attention(q, np.asarray(cache.key, np.float64), np.asarray(cache.value, np.float64),
+                                      before + n, query_lengths=n)
+    out = attn.transpose(0, 2, 1, 3).reshape(B, T, E) @ w_out.T + b_out
+    out = {"unbatched": lambda: out[0], "batch_first": lambda: out, "seq_first": lambda: out.transpose(1, 0, 2)}[layout]()
+    return q, k, v, out
+
+
+def fuzz_step(p: Provider):
+    """multi_head_attention_step (the decoding step of MultiheadAttention.step) over a KVCache
+    for a few steps: ragged lengths, batch-first, sequence-first and unbatched queries,
+    separate projection weights, another output width, float16 queries and storage. Each
+    output must match the reference: the projections, reference.cached_attention over the
+    cache's contents, the output projection. The step must append exactly the new tokens'
+    keys and values, leave the cached ones as they were, and, where it raises, append nothing."""
+    dtype = p.choice([F32, F32, F64])
+    H = p.int(1, 3)
+    E, B = H * p.choice([1, 2, 4, 8]), p.int(1, 3)
+    unbatched = B == 1 and p.bool(0.3)
+    cache = attnx.KVCache(B, H, p.choice([1, 4, 16, 40]), E // H, p.choice([dtype, dtype, F16]))
+    separate = p.bool(0.3)
+    E_out = p.choice([E, E, 3])
+
+    def weight(rows, cols):
+        return values(p, (rows, cols), dtype) / math.sqrt(cols)
+
+    for _ in range(p.int(1, 3)):
+        T = p.choice([0, 1, 1, 2, 5])
+        batch_first = p.bool()
+        shape = (T, E) if unbatched else ((B, T, E) if batch_first else (T, B, E))
+        a = dict(query=values(p, shape, p.choice([dtype, dtype, F16])), num_heads=H,
+                 in_proj_weight=None if separate else weight(3 * E, E),
+                 in_proj_bias=values(p, (3 * E,), dtype) if p.bool(0.7) else None,
+                 out_proj_weight=weight(E_out, E),
+                 out_proj_bias=values(p, (E_out,), dtype) if p.bool(0.7) else None,
+                 lengths=np.random.default_rng(p.seed()).integers(0, T + 1, B) if p.bool(0.4) else None,
+                 batch_first=batch_first, use_separate_proj_weight=separate,
+                 q_proj_weight=weight(E, E) if separate else None,
+                 k_proj_weight=weight(E, E) if separate else None,
+                 v_proj_weight=weight(E, E) if separate else None)
+        for name in STEP_ARRAYS:
+            if isinstance(a[name], np.ndarray) and p.bool(0.15):
+                a[name] = relayout(p, a[name])
+        valid_n = np.full(B, T) if a["lengths"] is None else np.asarray(a["lengths"])
+        n_mut = p.choice([0, 0, 0, 1, 2])
+        for _ in range(n_mut):
+            if p.bool(0.8):
+                name = p.choice(STEP_ARRAYS)
+                a[name] = malformed(p, a[name])
+            else:
+                a[p.choice(["num_heads", "batch_first", "use_separate_proj_weight"])] = p.choice(SCALAR_JUNK)
+        before = cache.lengths.copy()
+        cached = [(cache.key[b, :, :m].copy(), cache.value[b, :, :m].copy()) for b, m in enumerate(before)]
+        inputs = [a[name] for name in STEP_ARRAYS]
+        snap = snapshot(inputs)
+        ok, got = call("step", lambda: attnx.multi_head_attention_step(
+            a["query"], cache, a["num_heads"], a["in_proj_weight"], a["in_proj_bias"], a["out_proj_weight"],
+            a["out_proj_bias"], lengths=a["lengths"], batch_first=a["batch_first"],
+            use_separate_proj_weight=a["use_separate_proj_weight"], q_proj_weight=a["q_proj_weight"],
+            k_proj_weight=a["k_proj_weight"], v_proj_weight=a["v_proj_weight"]))
+        check_untouched(snap, "step")
+        for b, m in enumerate(before):
+            if not (np.array_equal(cache.key[b, :, :m], cached[b][0], equal_nan=True)
+                    and np.array_equal(cache.value[b, :, :m], cached[b][1], equal_nan=True)):
+                raise Disallowed("step: a cached token's key or value changed")
+        if not ok:
+            if not np.array_equal(cache.lengths, before):
+                raise Disallowed("step: raised after appending to the cache")
+            if n_mut == 0 and np.all(before + valid_n <= cache.max_len):
+                raise Disallowed("step: a valid call raised")
+            continue
+        for x in inputs:
+            if isinstance(x, np.ndarray) and np.shares_memory(got, x):
+                raise Disallowed("step: the result shares memory with an input")
+        x_shape = np.shape(np.asarray(a["query"]))
+        tokens = x_shape[1] if len(x_shape) == 3 and a["batch_first"] else x_shape[0]
+        n = np.full(B, tokens) if a["lengths"] is None else np.asarray(a["lengths"], dtype=np.int64)
+        if not np.array_equal(cache.lengths, before + n):
+            raise Disallowed(f"step: cache lengths {cache.lengths.tolist()}, expected {(before + n).tolist()}")
+        expected = reference_of(lambda: step_expected(a, cache, before, n))
+        if expected is None:
+            raise Disallowed("step: attnx computed a result for a call the reference rejects")
+        q, k, v, out = expected
+        query = np.asarray(a["query"])
+        # The query decides the projections' dtype and the result's, the cache the attention's.
+        compute = F64 if cache.dtype == F64 and query.dtype == F64 else F32
+        result_dtype = query.dtype.newbyteorder("=")
+        arrays = [x for x in inputs if x is not a["lengths"]]
+        keys = [cache.key[b, :, :m] for b, m in enumerate(cache.lengths)]
+        values_held = [cache.value[b, :, :m] for b, m in enumerate(cache.lengths)]
+        if well_scaled(input_arrays(arrays)):
+            OUTCOMES["step: appended keys and values checked"] += 1
+            stored = TOL[F16] if cache.dtype == F16 else TOL[compute]
+            for b, (m, t) in enumerate(zip(before, n)):
+                np.testing.assert_allclose(np.asarray(cache.key[b, :, m:m + t], np.float64), k[b, :, :t],
+                                           err_msg="step: appended keys", **stored)
+                np.testing.assert_allclose(np.asarray(cache.value[b, :, m:m + t], np.float64), v[b, :, :t],
+                                           err_msg="step: appended values", **stored)
+        moderate = all(logits_moderate(q[b], keys[b], 1 / math.sqrt(E // H)) for b in range(B))
+        tolerance = result_dtype if result_dtype.itemsize < compute.itemsize else compute
+        compare(got, out, result_dtype, "step", arrays + keys + values_held, moderate, tolerance)
+
 ENTRY_POINTS = [fuzz_sdpa, fuzz_sdpa, fuzz_mha, fuzz_mha, fuzz_module, fuzz_core, fuzz_core,
-                fuzz_set_num_threads, fuzz_cache]
+                fuzz_set_num_threads, fuzz_cache, fuzz_step]
 
 
 def TestOneInput(data: bytes) -> None:  # noqa: N802 - atheris' name

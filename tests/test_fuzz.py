@@ -51,7 +51,8 @@ def test_short_fixed_seed_fuzz_run(tmp_path):
     assert result["inputs"] == inputs
     outcomes = result["outcomes"]
     # Every entry point ran, and the oracle compared results.
-    for entry in ("fuzz_sdpa", "fuzz_mha", "fuzz_module", "fuzz_core", "fuzz_set_num_threads"):
+    for entry in ("fuzz_sdpa", "fuzz_mha", "fuzz_module", "fuzz_core", "fuzz_set_num_threads", "fuzz_cache",
+                  "fuzz_step"):
         assert outcomes.get(f"entry {entry}", 0) > 0, entry
     assert outcomes.get("result checked", 0) > inputs // 5
 
@@ -78,6 +79,34 @@ def test_the_oracle_catches_a_wrong_result(monkeypatch):
         for i in range(50):
             fz.TestOneInput(bytes([0]) + np.random.default_rng(i).bytes(64))
 
+
+
+def test_the_step_oracle_catches_a_wrong_result_and_a_late_error(monkeypatch):
+    """The decoding step's checks have teeth: a result 1% off fails, and so does a step that
+    appends the new tokens to the cache and then raises (an allowed ValueError, too late)."""
+    fz = load_fuzz_module()
+    entry = bytes([fz.ENTRY_POINTS.index(fz.fuzz_step)])
+    real = attnx.multi_head_attention_step
+
+    def count_failures(inputs=300):
+        caught = 0
+        for i in range(inputs):
+            try:
+                fz.TestOneInput(entry + np.random.default_rng(i).bytes(300))
+            except AssertionError:
+                caught += 1
+        return caught
+
+    assert count_failures(100) == 0
+    monkeypatch.setattr(fz.attnx, "multi_head_attention_step", lambda *a, **k: real(*a, **k) * 1.01)
+    assert count_failures() > 10
+
+    def late_error(*a, **k):
+        real(*a, **k)
+        raise ValueError("after the append")
+
+    monkeypatch.setattr(fz.attnx, "multi_head_attention_step", late_error)
+    assert count_failures() > 10
 
 # ---------------------------------------------------------------------------------------------
 # Regressions found by the fuzzer
