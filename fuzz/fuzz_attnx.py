@@ -36,6 +36,7 @@ import json
 import math
 import operator
 import os
+import pickle
 import random
 import sys
 import time
@@ -928,6 +929,54 @@ def fuzz_core_mha_plan(p: Provider, dtype):
         OUTCOMES["_core.MhaPlan(): self-attention checked"] += 1
 
 
+def held(cache):
+    """Copies of the keys and values each sequence of `cache` holds."""
+    return [(cache.key[b, :, :m].copy(), cache.value[b, :, :m].copy()) for b, m in enumerate(cache.lengths)]
+
+
+def same_held(a, b) -> bool:
+    return len(a) == len(b) and all(
+        np.array_equal(x, y, equal_nan=True) for pair_a, pair_b in zip(a, b) for x, y in zip(pair_a, pair_b))
+
+
+def still_held(cache, before) -> bool:
+    """Whether each sequence of `cache` still starts with the keys and values of `before`."""
+    now = [(k[:, :kb.shape[1]], v[:, :kb.shape[1]]) for (k, v), (kb, _) in zip(held(cache), before)]
+    return same_held(now, before)
+
+
+def reset_or_pickle(p: Provider, cache):
+    """`cache` after reset(index) (index perhaps malformed), or a pickled copy of it: a reset
+    empties exactly the slot it names (all with None) and raises for any other index without
+    a change; a copy holds the same keys, values and lengths."""
+    before, lengths = held(cache), cache.lengths.copy()
+    if p.bool(0.3):
+        copy = pickle.loads(pickle.dumps(cache))
+        if not (np.array_equal(copy.lengths, lengths) and same_held(held(copy), before)
+                and (copy.dtype, copy.max_len, copy.value_dim) == (cache.dtype, cache.max_len, cache.value_dim)):
+            raise Disallowed("KVCache: a pickled copy differs")
+        OUTCOMES["KVCache: pickled"] += 1
+        return copy
+    B = cache.batch
+    index = p.choice([None, 0, B - 1, -1, -B, B, -B - 1, 1.0, True, "0", np.int64(B - 1), np.array([0]), 2**70])
+    try:
+        cache.reset(index)
+    except (TypeError, IndexError) as exc:
+        OUTCOMES[f"KVCache.reset: {type(exc).__name__}"] += 1
+        if not (np.array_equal(cache.lengths, lengths) and str(exc)):
+            raise Disallowed("KVCache.reset: raised after a change, or without a message") from exc
+        return cache
+    expected = np.zeros_like(lengths) if index is None else lengths.copy()
+    if index is not None:
+        expected[operator.index(index)] = 0
+    if not np.array_equal(cache.lengths, expected):
+        raise Disallowed(f"KVCache.reset({index!r}): lengths {cache.lengths.tolist()}, expected {expected.tolist()}")
+    kept = [pair for pair, m in zip(before, expected) if m]
+    if not same_held([pair for pair, m in zip(held(cache), expected) if m], kept):
+        raise Disallowed(f"KVCache.reset({index!r}): another slot's keys or values changed")
+    OUTCOMES["KVCache.reset"] += 1
+    return cache
+
 def fuzz_cache(p: Provider):
     """A KVCache filled over a few steps of cached_attention (ragged lengths, GQA, windows,
     float16 storage), each result against the reference over the cache's contents; a
@@ -943,6 +992,8 @@ def fuzz_cache(p: Provider):
         return
     Dv = cache.value_dim
     for _ in range(p.int(1, 3)):
+        if p.bool(0.15):
+            cache = reset_or_pickle(p, cache)
         T = p.choice([0, 1, 2, 7])
         q_dtype = p.choice([dtype, F32, F16]) if dtype != F64 else F64
         args = {
@@ -955,26 +1006,37 @@ def fuzz_cache(p: Provider):
             args["lengths"] = np.random.default_rng(p.seed()).integers(0, T + 1, B)
         if p.bool(0.3):
             args["window"] = (p.choice([None, 0, 1, 30]), p.choice([None, 0, 3]))
+        args["scale"] = p.choice([0.0, 0.3, -1.0, 2.0]) if p.bool(0.25) else None
+        args["out"] = np.full((B, Hk * group, T, Dv), np.nan, q_dtype) if p.bool(0.25) else None
         n_mut = p.choice([0, 0, 0, 1, 2])
-        mutate(p, args, ["query", "key", "value", "lengths", "window"], n_mut)
-        before = cache.lengths.copy()
-        inputs = [args["query"], args["key"], args["value"], args["lengths"]]
+        mutate(p, args, ["query", "key", "value", "lengths", "window", "scale", "out"], n_mut)
+        before, held_before = cache.lengths.copy(), held(cache)
+        inputs = [args["query"], args["key"], args["value"], args["lengths"], args["out"]]
         snap = snapshot(inputs)
         ok, got = call("cached_attention", lambda: attnx.cached_attention(
-            args["query"], cache, args["key"], args["value"], lengths=args["lengths"], window=args["window"]))
-        check_untouched(snap, "cached_attention", allowed=[])
+            args["query"], cache, args["key"], args["value"], lengths=args["lengths"], scale=args["scale"],
+            window=args["window"], out=args["out"]))
+        check_untouched(snap, "cached_attention", allowed=[args["out"]])
+        if not still_held(cache, held_before):
+            raise Disallowed("cached_attention: a cached token's key or value changed")
         if not ok:
             if not np.array_equal(cache.lengths, before):
                 raise Disallowed("cached_attention: raised after appending to the cache")
             continue
+        if args["out"] is not None and got is not args["out"]:
+            raise Disallowed("cached_attention: out= given but another array returned")
         q = np.asarray(args["query"])
         n = (np.full(B, q.shape[2]) if args["lengths"] is None else np.asarray(args["lengths"])).astype(np.int64)
         expected = reference_of(lambda: reference.cached_attention(
             np.asarray(q, np.float64), np.asarray(cache.key, np.float64), np.asarray(cache.value, np.float64),
-            cache.lengths, query_lengths=n, window=args["window"]))
+            cache.lengths, query_lengths=n, scale=args["scale"], window=args["window"]))
         if expected is None:
             raise Disallowed("cached_attention: attnx computed a result for a call the reference rejects")
-        moderate = logits_moderate(q, np.asarray(cache.key), 1 / math.sqrt(D))
+        scale = 1 / math.sqrt(D) if args["scale"] is None else args["scale"]
+        try:
+            moderate = logits_moderate(q, np.asarray(cache.key), float(scale))
+        except (TypeError, ValueError):
+            moderate = True  # a scale attnx accepted that is no number: the result is compared
         # The cache decides the compute dtype (float64 only for a float64 cache); the result
         # has the query's, so the looser of the two sets the tolerance.
         compute = np.dtype(F64 if cache.dtype == F64 else F32)
@@ -1069,8 +1131,7 @@ def fuzz_step(p: Provider):
                 a[name] = malformed(p, a[name])
             else:
                 a[p.choice(["num_heads", "batch_first", "use_separate_proj_weight"])] = p.choice(SCALAR_JUNK)
-        before = cache.lengths.copy()
-        cached = [(cache.key[b, :, :m].copy(), cache.value[b, :, :m].copy()) for b, m in enumerate(before)]
+        before, held_before = cache.lengths.copy(), held(cache)
         inputs = [a[name] for name in STEP_ARRAYS]
         snap = snapshot(inputs)
         ok, got = call("step", lambda: attnx.multi_head_attention_step(
@@ -1079,10 +1140,8 @@ def fuzz_step(p: Provider):
             use_separate_proj_weight=a["use_separate_proj_weight"], q_proj_weight=a["q_proj_weight"],
             k_proj_weight=a["k_proj_weight"], v_proj_weight=a["v_proj_weight"]))
         check_untouched(snap, "step")
-        for b, m in enumerate(before):
-            if not (np.array_equal(cache.key[b, :, :m], cached[b][0], equal_nan=True)
-                    and np.array_equal(cache.value[b, :, :m], cached[b][1], equal_nan=True)):
-                raise Disallowed("step: a cached token's key or value changed")
+        if not still_held(cache, held_before):
+            raise Disallowed("step: a cached token's key or value changed")
         if not ok:
             if not np.array_equal(cache.lengths, before):
                 raise Disallowed("step: raised after appending to the cache")
