@@ -57,8 +57,27 @@ from attnx import _core, reference
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 F16 = np.dtype(np.float16)
+try:  # bfloat16 storage, where ml_dtypes is installed (the test tools include it)
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    BF16 = None
+HALVES = [F16] + ([BF16] if BF16 is not None else [])
 # A float16 result is the float32 result rounded once: half an ulp (2^-11) plus float32's error.
 TOL = {F32: dict(rtol=1e-5, atol=1e-6), F64: dict(rtol=1e-12, atol=1e-12), F16: dict(rtol=1e-3, atol=1e-5)}
+if BF16 is not None:  # bfloat16 keeps 8 bits: half an ulp is 2^-9
+    TOL[BF16] = dict(rtol=4e-3, atol=1e-5)
+
+
+def is_float(a) -> bool:
+    """Whether `a` is an array of real floats: NumPy's, or ml_dtypes' bfloat16."""
+    return isinstance(a, np.ndarray) and (a.dtype.kind == "f" or (BF16 is not None and a.dtype == BF16))
+
+
+def as_f64(x):
+    """A float array as float64 (for the reference); anything else as it is."""
+    return np.array(x, dtype=np.float64) if is_float(x) else x
 ALLOWED = (ValueError, TypeError, NotImplementedError)
 HUGE_BYTES = 2**40  # a request needing this much memory may raise MemoryError
 BASE_THREADS = 2
@@ -170,7 +189,7 @@ def values(p: Provider, shape, dtype):
 def relayout(p: Provider, a):
     """The values of `a` in another memory layout (or `a` itself)."""
     a = np.asarray(a)
-    if a.ndim == 0 or a.size == 0 or a.dtype.kind not in "fbiuc":
+    if a.ndim == 0 or a.size == 0 or not (a.dtype.kind in "fbiuc" or is_float(a)):
         return a
     kind = p.int(0, 9)
     if kind == 0:  # every axis strided
@@ -283,9 +302,10 @@ def _malformed(p: Provider, like):
 def well_scaled(arrays) -> bool:
     """Whether every float array is finite and of moderate magnitude (tolerances apply)."""
     for a in arrays:
-        if isinstance(a, np.ndarray) and a.dtype.kind == "f" and a.size:
+        if is_float(a) and a.size:
+            a = a.astype(np.float64)
             with np.errstate(all="ignore"):
-                if not np.isfinite(a).all() or np.abs(a.astype(np.float64)).max() > 20:
+                if not np.isfinite(a).all() or np.abs(a).max() > 20:
                     return False
                 nz = np.abs(a[a != 0]).astype(np.float64)
                 if nz.size and nz.min() < 1e-20:
@@ -296,9 +316,10 @@ def well_scaled(arrays) -> bool:
 def nan_inf_only(arrays) -> bool:
     """Whether the only non-moderate values are NaN/Inf (their pattern must match)."""
     for a in arrays:
-        if isinstance(a, np.ndarray) and a.dtype.kind == "f" and a.size:
+        if is_float(a) and a.size:
+            a = a.astype(np.float64)
             with np.errstate(all="ignore"):
-                fin = a[np.isfinite(a)].astype(np.float64)
+                fin = a[np.isfinite(a)]
             if fin.size and (np.abs(fin).max() > 20 or np.abs(fin[fin != 0]).min(initial=1) < 1e-20):
                 return False
     return True
@@ -452,8 +473,8 @@ def fuzz_sdpa(p: Provider):
     kbatch = batch[:-1] + (Hk,) if group > 1 else batch
     args = {
         "query": values(p, batch + (L, E), dtype),
-        "key": values(p, kbatch + (S, E), p.choice([dtype, dtype, F32, F64, np.float16])),
-        "value": values(p, kbatch + (S, Ev), dtype),
+        "key": values(p, kbatch + (S, E), p.choice([dtype, dtype, F32, F64] + HALVES)),
+        "value": values(p, kbatch + (S, Ev), p.choice([dtype, dtype, dtype] + HALVES)),
         "attn_mask": None, "is_causal": False, "scale": None, "enable_gqa": group > 1,
     }
     mask_kind = p.int(0, 4)
@@ -510,8 +531,7 @@ def fuzz_sdpa(p: Provider):
             raise Disallowed("sdpa: the result shares memory with an input")
     ref_kwargs = {k: v for k, v in kwargs.items() if k != "out"}
     expected = reference_of(lambda: reference.scaled_dot_product_attention(
-        *(np.array(x, dtype=np.float64) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
-          for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
+        *(as_f64(x) for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
     if expected is None:
         raise Disallowed("sdpa: attnx computed a result for a call the reference rejects")
     scale = args["scale"]
@@ -603,8 +623,7 @@ def fuzz_mha(p: Provider):
         for x in inputs:
             if r is not None and isinstance(x, np.ndarray) and np.shares_memory(r, x):
                 raise Disallowed("mha: a result shares memory with an input")
-    conv = {k: (np.array(v, dtype=np.float64) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v)
-            for k, v in a.items()}
+    conv = {k: as_f64(v) for k, v in a.items()}
     expected = reference_of(lambda: reference.multi_head_attention_forward(**conv))
     if expected is None:
         raise Disallowed("mha: attnx computed a result for a call the reference rejects")
@@ -981,7 +1000,7 @@ def fuzz_cache(p: Provider):
     """A KVCache filled over a few steps of cached_attention (ragged lengths, GQA, windows,
     float16 storage), each result against the reference over the cache's contents; a
     malformed argument must raise before anything is appended."""
-    dtype = p.choice([F32, F32, F64, F16])
+    dtype = p.choice([F32, F32, F64] + HALVES)
     B, Hk, group = p.int(1, 3), p.int(1, 2), p.int(1, 3)
     D, Dv = p.choice([1, 4, 8, 17]), p.choice([None, 3, 8])
     ctor = [B, Hk, p.choice([1, 5, 40, 600]), D, dtype]
@@ -995,7 +1014,7 @@ def fuzz_cache(p: Provider):
         if p.bool(0.15):
             cache = reset_or_pickle(p, cache)
         T = p.choice([0, 1, 2, 7])
-        q_dtype = p.choice([dtype, F32, F16]) if dtype != F64 else F64
+        q_dtype = p.choice([dtype, F32] + HALVES) if dtype != F64 else F64
         args = {
             "query": values(p, (B, Hk * group, T, D), q_dtype),
             "key": values(p, (B, Hk, T, D), dtype) if p.bool(0.8) else None,
@@ -1054,7 +1073,7 @@ def step_expected(a, cache, before, n):
     sequence b of `cache` (which held before[b]): the new tokens' queries, keys and values
     (B, H, T, D) and the step's output; raises where the arguments describe no valid step."""
     x = np.asarray(a["query"])
-    if x.dtype.kind != "f":
+    if not is_float(x):
         raise TypeError("query")
     x = x.astype(np.float64)
     layout = "unbatched" if x.ndim == 2 else ("batch_first" if a["batch_first"] else "seq_first")
@@ -1065,7 +1084,7 @@ def step_expected(a, cache, before, n):
 
     def param(name, shape):
         value = np.asarray(a[name])
-        if value.dtype.kind != "f" or value.shape != shape:
+        if not is_float(value) or value.shape != shape:
             raise ValueError(name)
         return value.astype(np.float64)
 
@@ -1075,7 +1094,7 @@ def step_expected(a, cache, before, n):
         w_in = param("in_proj_weight", (3 * E, E))
     b_in = np.zeros(3 * E) if a["in_proj_bias"] is None else param("in_proj_bias", (3 * E,))
     w_out = np.asarray(a["out_proj_weight"])
-    if w_out.dtype.kind != "f" or w_out.ndim != 2 or w_out.shape[1] != E:
+    if not is_float(w_out) or w_out.ndim != 2 or w_out.shape[1] != E:
         raise ValueError("out_proj_weight")
     w_out = w_out.astype(np.float64)
     b_out = np.zeros(w_out.shape[0]) if a["out_proj_bias"] is None else param("out_proj_bias", (w_out.shape[0],))
@@ -1099,7 +1118,7 @@ def fuzz_step(p: Provider):
     H = p.int(1, 3)
     E, B = H * p.choice([1, 2, 4, 8]), p.int(1, 3)
     unbatched = B == 1 and p.bool(0.3)
-    cache = attnx.KVCache(B, H, p.choice([1, 4, 16, 40]), E // H, p.choice([dtype, dtype, F16]))
+    cache = attnx.KVCache(B, H, p.choice([1, 4, 16, 40]), E // H, p.choice([dtype, dtype] + HALVES))
     separate = p.bool(0.3)
     E_out = p.choice([E, E, 3])
 
@@ -1110,7 +1129,7 @@ def fuzz_step(p: Provider):
         T = p.choice([0, 1, 1, 2, 5])
         batch_first = p.bool()
         shape = (T, E) if unbatched else ((B, T, E) if batch_first else (T, B, E))
-        a = dict(query=values(p, shape, p.choice([dtype, dtype, F16])), num_heads=H,
+        a = dict(query=values(p, shape, p.choice([dtype, dtype] + HALVES)), num_heads=H,
                  in_proj_weight=None if separate else weight(3 * E, E),
                  in_proj_bias=values(p, (3 * E,), dtype) if p.bool(0.7) else None,
                  out_proj_weight=weight(E_out, E),
@@ -1169,7 +1188,7 @@ def fuzz_step(p: Provider):
         values_held = [cache.value[b, :, :m] for b, m in enumerate(cache.lengths)]
         if well_scaled(input_arrays(arrays)):
             OUTCOMES["step: appended keys and values checked"] += 1
-            stored = TOL[F16] if cache.dtype == F16 else TOL[compute]
+            stored = TOL[cache.dtype] if cache.dtype in HALVES else TOL[compute]
             for b, (m, t) in enumerate(zip(before, n)):
                 np.testing.assert_allclose(np.asarray(cache.key[b, :, m:m + t], np.float64), k[b, :, :t],
                                            err_msg="step: appended keys", **stored)
