@@ -235,6 +235,11 @@ class KVCache:
                     self._value[b, :, s : s + n] = v[b, :, :n]
         self._lengths += new
 
+    def _rewind(self, lengths: np.ndarray) -> None:
+        """Return every sequence to ``lengths`` (taken before an append): undoes
+        that append, since positions at or past a sequence's length are never read."""
+        self._lengths[:] = lengths
+
     def reset(self, index=None) -> None:
         """Empty every sequence, or the slot ``index`` only (for continuous batching).
 

@@ -858,19 +858,25 @@ def multi_head_attention_step(
             return a.reshape(B, T, num_heads, head_dim).transpose(0, 2, 1, 3)
         return a.reshape(T, B, num_heads, head_dim).transpose(1, 2, 0, 3)
 
-    # 3. Append the new keys and values, attend over the cache.
-    cache.append(heads(k), heads(v), None if lengths is None else n)
+    # 3. Append the new keys and values, attend over the cache. A step that fails after its
+    # append (out of memory, an interrupt) rewinds the cache: a failed call leaves it as it was.
     attn = np.empty((B, num_heads, T, head_dim), dtype)
-    _attend_cache(heads(q), cache, n, 1.0 / math.sqrt(head_dim), -1, -1, attn)
-
-    # 4. Merge heads back into rows of the query's order, and project out.
-    if layout == "batch_first":
-        merged = attn.transpose(0, 2, 1, 3).reshape(N, E)
-    else:
-        merged = attn.transpose(2, 0, 1, 3).reshape(N, E)
     result = np.empty((N, E_out), dtype)
-    # merged may be a view with a strided last axis: with head_dim 1, numpy merges the heads
-    # into rows without a copy.
-    _core.linear(kernel_layout(merged), kernel_layout(w_out), None if b_out is None else kernel_layout(b_out), result)
+    held = cache.lengths.copy()
+    cache.append(heads(k), heads(v), None if lengths is None else n)
+    try:
+        _attend_cache(heads(q), cache, n, 1.0 / math.sqrt(head_dim), -1, -1, attn)
+
+        # 4. Merge heads back into rows of the query's order, and project out.
+        if layout == "batch_first":
+            merged = attn.transpose(0, 2, 1, 3).reshape(N, E)
+        else:
+            merged = attn.transpose(2, 0, 1, 3).reshape(N, E)
+        # merged may be a view with a strided last axis: with head_dim 1, numpy merges the
+        # heads into rows without a copy.
+        _core.linear(kernel_layout(merged), kernel_layout(w_out), None if b_out is None else kernel_layout(b_out), result)
+    except BaseException:
+        cache._rewind(held)
+        raise
     result = result.reshape(out_shape)
     return result if result_dtype == dtype else result.astype(result_dtype)
