@@ -27,6 +27,14 @@ TOLERANCES = {
     np.dtype(np.float64): {"rtol": 1e-12, "atol": 1e-12},
 }
 DTYPES = [np.float32, np.float64]
+
+ISAS = ["scalar", "avx2", "avx512"]  # the kernels, lowest first
+
+
+def usable_isas():
+    """The kernels ATTNX_ISA can pick here: those this build has that the CPU runs."""
+    cfg = attnx.show_config()
+    return [isa for isa in ISAS[: ISAS.index(cfg["cpu_isa"]) + 1] if isa in cfg["kernels"]]
 DTYPE_IDS = ["f32", "f64"]
 
 

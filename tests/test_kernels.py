@@ -18,13 +18,7 @@ import textwrap
 import pytest
 
 import attnx
-
-ISA_ORDER = ["scalar", "avx2", "avx512"]
-
-
-def supported_isas():
-    best = attnx.show_config()["cpu_isa"]
-    return ISA_ORDER[: ISA_ORDER.index(best) + 1]
+from conftest import usable_isas
 
 
 SWEEP = textwrap.dedent(
@@ -113,7 +107,7 @@ SWEEP = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize("isa", usable_isas())
 def test_kernel_agrees_with_reference(isa):
     env = dict(os.environ, ATTNX_ISA=isa)
     proc = subprocess.run(
@@ -150,7 +144,7 @@ PROJECTION_ACCURACY = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize("isa", usable_isas())
 def test_long_projection_sums_stay_accurate(isa):
     env = dict(os.environ, ATTNX_ISA=isa)
     proc = subprocess.run([sys.executable, "-c", PROJECTION_ACCURACY], env=env, capture_output=True,

@@ -19,15 +19,16 @@ from attnx import _core
 from conftest import (
     DTYPE_IDS,
     DTYPES,
+    ISAS,
     assert_identical,
     mha_args,
     mha_mask,
     num_threads,
     randn,
     sdpa_mask,
+    usable_isas,
 )
 
-ISAS = ["scalar", "avx2", "avx512"]
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
 
 
@@ -74,9 +75,12 @@ def test_show_config_keys_and_types():
     assert cfg["threads"] == attnx.get_num_threads()
     assert isinstance(cfg["openmp"], bool)
     assert isinstance(cfg["compiler"], str) and cfg["compiler"]
-    if "cpu_isa" in cfg:  # an attnx extra: the best the CPU supports
-        assert cfg["cpu_isa"] in ISAS
-        assert ISAS.index(cfg["isa"]) <= ISAS.index(cfg["cpu_isa"])
+    # attnx's extras: the best kernel the CPU supports, and those this build has (nested:
+    # the portable one always, the x86 ones together).
+    assert cfg["cpu_isa"] in ISAS
+    assert cfg["kernels"] in (["scalar"], ISAS)
+    assert cfg["isa"] in cfg["kernels"]
+    assert ISAS.index(cfg["isa"]) <= ISAS.index(cfg["cpu_isa"])
     # A fresh dict each call (callers may modify it).
     cfg["isa"] = "bogus"
     assert attnx.show_config()["isa"] in ISAS
@@ -163,20 +167,24 @@ def test_attnx_isa_empty_means_best():
     assert config_in_child(ATTNX_ISA="")["isa"] in ISAS
 
 
-@pytest.mark.parametrize("requested", ["avx2", "avx512"])
+@pytest.mark.parametrize("requested", ISAS)
 def test_attnx_isa_forcing_a_kernel(requested):
-    cpu = attnx.show_config().get("cpu_isa")
+    """The kernel asked for runs, or the import raises ValueError saying why: the CPU lacks it,
+    or this build has no kernel for it (built for another CPU, or with ATTNX_X86_KERNELS=OFF).
+    A lower kernel than the one asked for never runs in its place."""
+    cfg = attnx.show_config()
     proc = run_python(CONFIG_SCRIPT, ATTNX_ISA=requested)
-    if cpu is not None and ISAS.index(requested) > ISAS.index(cpu):
-        # The CPU lacks it: ValueError at import.
-        assert proc.returncode != 0
-        assert "ValueError" in proc.stderr and requested in proc.stderr
-    elif proc.returncode == 0:
-        cfg = json.loads(proc.stdout.strip().splitlines()[-1])
-        # Never above what was asked (a build may lack the kernel and run a lower one).
-        assert ISAS.index(cfg["isa"]) <= ISAS.index(requested)
+    if requested in usable_isas():
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["isa"] == requested
+        return
+    assert proc.returncode != 0
+    assert "ValueError" in proc.stderr and f"ATTNX_ISA='{requested}'" in proc.stderr
+    if ISAS.index(requested) > ISAS.index(cfg["cpu_isa"]):
+        assert f"this CPU supports at most '{cfg['cpu_isa']}'" in proc.stderr
     else:
-        assert cpu is None and "ValueError" in proc.stderr
+        assert requested not in cfg["kernels"]
+        assert "this build has no kernel for it" in proc.stderr
 
 
 @pytest.mark.parametrize("bogus", ["bogus", "sse", "avx", "avx1024", "neon", "1"])
@@ -239,15 +247,13 @@ ISA_BATTERY = """
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_available_kernel_matches_the_reference(isa):
-    cpu = attnx.show_config().get("cpu_isa", attnx.show_config()["isa"])
     proc = run_python("import attnx; print(attnx.show_config()['isa'])", ATTNX_ISA=isa)
-    if ISAS.index(isa) > ISAS.index(cpu):
+    if isa not in usable_isas():  # the CPU or the build lacks it (see the test above)
         assert proc.returncode != 0 and "ValueError" in proc.stderr
         return
     assert proc.returncode == 0, proc.stderr
-    active = proc.stdout.strip()
-    assert ISAS.index(active) <= ISAS.index(isa)
-    proc = run_python(ISA_BATTERY.format(isa=active), ATTNX_ISA=isa)
+    assert proc.stdout.strip() == isa
+    proc = run_python(ISA_BATTERY.format(isa=isa), ATTNX_ISA=isa)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip() == "ok"
 

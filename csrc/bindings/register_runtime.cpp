@@ -23,6 +23,12 @@ void register_runtime(py::module_& m) {
       py::arg("requested"), "Choose the kernel ('' = the best this CPU supports).");
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
   m.def("cpu_isa", [] { return std::string(isa_name(detect_cpu_isa())); });
+  m.def("compiled_isas", [] {
+    py::list names;
+    for (int isa = 0; isa <= static_cast<int>(best_compiled_isa()); ++isa)
+      names.append(isa_name(static_cast<Isa>(isa)));
+    return names;
+  }, "The kernels this build has, lowest first.");
   m.def("get_num_threads", &get_num_threads);
   m.def(
       "set_num_threads",

@@ -82,9 +82,18 @@ void select_isa(const std::string& requested) {
     if (wanted > cpu)
       throw std::invalid_argument("ATTNX_ISA='" + requested + "' but this CPU supports at most '" +
                                   isa_name(cpu) + "'");
+    // Running a lower kernel than the one asked for would hide what a user
+    // forcing a kernel wants to measure or test.
+    if (wanted > kBestCompiledIsa)
+      throw std::invalid_argument("ATTNX_ISA='" + requested +
+                                  "' but this build has no kernel for it (its best is '" +
+                                  isa_name(kBestCompiledIsa) +
+                                  "': built for another CPU, or with ATTNX_X86_KERNELS=OFF)");
   }
   g_active_isa = wanted < kBestCompiledIsa ? wanted : kBestCompiledIsa;
 }
+
+Isa best_compiled_isa() { return kBestCompiledIsa; }
 
 Isa active_isa() { return g_active_isa.load(); }
 

@@ -52,12 +52,15 @@ def show_config() -> dict:
     -------
     dict
         ``version``, ``isa`` (the SIMD kernel in use), ``cpu_isa`` (the best
-        the CPU supports), ``threads``, ``openmp`` (bool) and ``compiler``.
+        the CPU supports), ``kernels`` (the kernels this build has, lowest
+        first: ``["scalar", "avx2", "avx512"]`` on x86-64, ``["scalar"]``
+        elsewhere), ``threads``, ``openmp`` (bool) and ``compiler``.
     """
     return {
         "version": _core.__version__,
         "isa": _core.active_isa(),
         "cpu_isa": _core.cpu_isa(),
+        "kernels": _core.compiled_isas(),
         "threads": _core.get_num_threads(),
         "openmp": _core.have_openmp(),
         "compiler": _core.compiler(),

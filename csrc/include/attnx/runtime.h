@@ -13,11 +13,17 @@ const char* isa_name(Isa isa);
 // The best instruction set this CPU (and OS) supports.
 Isa detect_cpu_isa();
 
+// The best instruction set this build has kernels for: every lower one is
+// built too (the portable kernel always; AVX2 and AVX-512 together where the
+// compiler targets x86-64, unless ATTNX_X86_KERNELS is OFF).
+Isa best_compiled_isa();
+
 // The kernel in use. Chosen once, from CPUID and the ATTNX_ISA variable.
 Isa active_isa();
 
-// Chooses the kernel from an ATTNX_ISA value ("" = best available).
-// Throws std::invalid_argument for an unknown name or one the CPU lacks.
+// Chooses the kernel from an ATTNX_ISA value ("" = the best that both the
+// CPU and this build have). Throws std::invalid_argument for an unknown name,
+// one the CPU lacks, or one this build has no kernel for.
 void select_isa(const std::string& requested);
 
 int get_num_threads();
