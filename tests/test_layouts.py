@@ -22,6 +22,7 @@ from conftest import (
     assert_identical,
     layout_variant,
     mha_args,
+    num_threads,
     output_atol,
     peak_traced_bytes,
     randn,
@@ -108,6 +109,53 @@ def test_sdpa_plain_and_gqa_layouts(rng, variant, dtype):
     v4 = randn(rng, (2, 2, 150, 8), dtype)
     base, var = layout_variant(k4, variant)
     assert_identical(sdpa(q4, var, v4, enable_gqa=True), sdpa(q4, base, v4, enable_gqa=True))
+
+
+def at_byte_offset(x, offset, row_pad=0):
+    """A copy of x starting `offset` bytes past a cache line (a multiple of the item size), its
+    last axis padded by row_pad elements (rows that do not start on lines even when the first
+    does)."""
+    x = np.asarray(x)
+    padded_shape = x.shape[:-1] + (x.shape[-1] + row_pad,)
+    size = int(np.prod(padded_shape)) * x.itemsize
+    buf = np.zeros(size + 128, np.uint8)
+    start = (-buf.ctypes.data) % 64 + offset
+    y = np.frombuffer(buf.data, x.dtype, count=int(np.prod(padded_shape)), offset=start)
+    y = y.reshape(padded_shape)[..., : x.shape[-1]]
+    y[...] = x
+    assert y.ctypes.data % 64 == offset
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("Ev", [64, 40])
+def test_values_anywhere_in_memory_give_the_same_bits(rng, Ev, dtype):
+    """The query tiles read value rows that do not start on cache lines from a copy whose rows do
+    (where a head has four tiles or more): every offset of the values, rows padded or not, on one
+    thread or two, gives the bits of values that start on a line."""
+    B, Hq, Hk, L, S, E = 2, 4, 2, 130, 300, 64
+    q, k = randn(rng, (B, Hq, L, E), dtype), randn(rng, (B, Hk, S, E), dtype)
+    v = randn(rng, (B, Hk, S, Ev), dtype)
+    mask = sdpa_mask(rng, "bool", (B, 1, L, S))
+    calls = [dict(enable_gqa=True), dict(enable_gqa=True, is_causal=True),
+             dict(enable_gqa=True, attn_mask=mask)]
+    on_line = at_byte_offset(v, 0)
+    expected = [sdpa(q, k, on_line, **kw) for kw in calls]
+    for kw, want in zip(calls, expected):
+        assert_close(want, ref_sdpa(q, k, v, **kw), dtype)
+    item = np.dtype(dtype).itemsize
+    for offset in range(0, 64, item):
+        for row_pad in (0, 3):
+            moved = at_byte_offset(v, offset, row_pad)
+            for threads in (1, 2):
+                with num_threads(threads):
+                    for kw, want in zip(calls, expected):
+                        assert_identical(sdpa(q, k, moved, **kw), want,
+                                         err_msg=f"offset {offset}, row_pad {row_pad}, {threads} threads, {kw.keys()}")
+    # A batch of values broadcast (stride 0) and a head of them at an offset.
+    shared = at_byte_offset(v[:1], 16)
+    assert_identical(sdpa(q, k, np.broadcast_to(shared, v.shape), enable_gqa=True),
+                     sdpa(q, k, np.broadcast_to(v[:1], v.shape), enable_gqa=True))
 
 
 def test_sdpa_transposed_key_view(rng):

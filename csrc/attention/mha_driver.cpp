@@ -9,8 +9,8 @@
 //   weights: per head (N, H, L, S'), or their mean over heads
 #include <algorithm>
 #include <cmath>
-#include <memory>
 
+#include "attention/cache_line_array.h"
 #include "attention/projection.h"
 #include "attention/self_attention_few_rows.h"
 #include "attnx/attention.h"
@@ -18,17 +18,20 @@
 namespace attnx {
 namespace {
 
-// An uninitialised array of T (std::vector would zero-fill it).
+// An uninitialised array of T (std::vector would zero-fill it), starting on
+// a cache line: the rows of the heads' keys and values in it then start on
+// lines too where the head dim allows, and sdpa reads them in place (see
+// AlignedValues).
 template <typename T>
 class Buffer {
  public:
   Buffer() = default;
-  explicit Buffer(size_t size) : data_(new T[size]) {}
+  explicit Buffer(size_t size) : data_(cache_line_array<T>(size)) {}
   T* data() { return data_.get(); }
   const T* data() const { return data_.get(); }
 
  private:
-  std::unique_ptr<T[]> data_;
+  CacheLineArray<T> data_;
 };
 
 // Keys (or values) as sdpa reads them: a (N, H, S', hd) view, backed either

@@ -13,8 +13,8 @@
 // streams it while broadcasting x. Every output value is accumulated over
 // `in` in the same order whatever the thread count.
 #include <algorithm>
-#include <memory>
 
+#include "attention/cache_line_array.h"
 #include "attention/projection.h"
 #include "dispatch/parallel.h"
 #include "kernels/kernel_table.h"
@@ -203,7 +203,7 @@ void transpose_output(const T* yt, int64_t lanes, const StridedView<T, 3>& y) {
     return;
   }
   const int64_t out_lanes = transposed_lanes<T>(out);
-  std::unique_ptr<T[]> y_rows(new T[size_t(rows * out_lanes)]);
+  const CacheLineArray<T> y_rows = cache_line_array<T>(size_t(rows * out_lanes));
   kt.pack_transposed(yt, lanes, out, rows, T(1), y_rows.get(), out_lanes);
   for (int64_t r = 0; r < rows; ++r)
     std::copy_n(y_rows.get() + r * out_lanes, out, y.at(r / L, r % L));
@@ -239,7 +239,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     // Few rows (or not many, and a large w): y^T = w . x^T, packing the
     // small x^T (in x lanes) rather than w, then transposing the result back.
     const int64_t lanes = transposed_lanes<T>(N * L);
-    std::unique_ptr<T[]> scratch(new T[size_t((in + out) * lanes)]);
+    const CacheLineArray<T> scratch = cache_line_array<T>(size_t((in + out) * lanes));
     T* xt = scratch.get();
     T* yt = xt + in * lanes;
     transpose_input(x, lanes, xt);
@@ -251,7 +251,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   // W x W transposes in registers.
   const int64_t wide = kt.wide_panel_width;
   const int64_t panels = (out + wide - 1) / wide;
-  std::unique_ptr<T[]> packed(new T[size_t(panels * in * wide)]);
+  const CacheLineArray<T> packed = cache_line_array<T>(size_t(panels * in * wide));
   parallel_for(panels, threads_for(double(in) * double(out) * 8), Schedule::kStatic,
                [&](int64_t p) {
                  kt.pack_transposed(w.row(p * wide), w.row_stride, std::min(wide, out - p * wide),

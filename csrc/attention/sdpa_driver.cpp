@@ -16,10 +16,10 @@
 // Each output row is computed by one thread in a fixed order, so results do
 // not depend on the thread count.
 #include <algorithm>
-#include <memory>
 #include <utility>
 #include <vector>
 
+#include "attention/cache_line_array.h"
 #include "attention/mask_blocks.h"
 #include "attention/sdpa_common.h"
 #include "attention/sdpa_rows.h"
@@ -37,10 +37,10 @@ using namespace sdpa;
 // (it only grows): a small call pays neither an allocation nor a fill.
 template <typename T>
 T* calling_thread_scratch(size_t size) {
-  thread_local std::unique_ptr<T[]> buffer;
+  thread_local CacheLineArray<T> buffer;
   thread_local size_t capacity = 0;
   if (size > capacity) {
-    buffer.reset(new T[size]);
+    buffer = cache_line_array<T>(size);
     capacity = size;
   }
   return buffer.get();
@@ -117,16 +117,32 @@ void sdpa_forward(const SdpaArgs<T>& a) {
       tiled && key_heads * key_head_bytes + value_heads * value_head_bytes > kAheadMinCallBytes &&
       (q_groups == 1 || head_bytes > kTileGroupMinKeyBytes);
   const int64_t tasks = B * heads * q_groups * chunks;
-  const size_t scratch_per_thread =
-      tiled           ? size_t(group) * flash_tile_buffers_size<T>(kt.query_tile, E, Ev) +
+  // Each thread's copy of a head's values, where their rows miss the cache
+  // lines (see AlignedValues): at the end of its scratch.
+  const int64_t values_ld = aligned_values_ld<T>(Ev);
+  const double values_copy_bytes = double(S) * double(values_ld) * sizeof(T);
+  const bool align_values =
+      tiled && a.value.storage == Storage::kNative && !ask_ahead && q_blocks >= kMinTilesToAlign &&
+      values_copy_bytes <= kAlignedValuesMaxBytes &&
+      values_copy_bytes * nthreads <= kAlignedValuesMaxCallBytes && !value_rows_on_lines(a, 0, 0);
+  const size_t values_copy_size = align_values ? size_t(S * values_ld) + 64 / sizeof(T) : 0;
+  const size_t scratch_per_thread = values_copy_size +
+      (tiled           ? size_t(group) * flash_tile_buffers_size<T>(kt.query_tile, E, Ev) +
                             flash_visit_scratch_size<T>(kt.query_tile, E, Ev, key_block)
       : weights_tiled ? weights_tile_scratch_size<T>(kt.query_tile, kt.vector_width, S, E, Ev,
                                                      key_block)
       : a.weights     ? size_t(kKeyBlock * (E + Ev))
-                      : rows_scratch_size<T>(E, Ev);
+                      : rows_scratch_size<T>(E, Ev));
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
   T* scratch = calling_thread_scratch<T>(size_t(nthreads) * scratch_per_thread);
+  std::vector<AlignedValues<T>> aligned_values(align_values ? nthreads : 0);
+  for (int i = 0; i < int(aligned_values.size()); ++i) {
+    const uintptr_t end = reinterpret_cast<uintptr_t>(scratch + (i + 1) * scratch_per_thread);
+    const uintptr_t start = end - values_copy_size * sizeof(T);
+    aligned_values[i].data = reinterpret_cast<T*>((start + 63) / 64 * 64);
+    aligned_values[i].ld = values_ld;
+  }
   const int64_t state_size = Ev + 3;
   std::vector<T> states(chunks > 1 ? size_t(B * Hq * L * chunks * state_size) : 0);
 
@@ -152,7 +168,8 @@ void sdpa_forward(const SdpaArgs<T>& a) {
     const int64_t r0 = qb * rows_per_task, r1 = std::min(rows_per_head, r0 + rows_per_task);
     if (tiled) {
       flash_tiles(a, kt, b, h, r0, std::min(group, q_blocks - qb), key_block, ask_ahead,
-                  my_scratch, finite_values, mask_blocks);
+                  my_scratch, finite_values, mask_blocks,
+                  align_values ? &aligned_values[current_thread()] : nullptr);
     } else if (weights_tiled) {
       weights_tile(a, kt, b, h, r0, key_block, my_scratch, mask_blocks);
     } else if (a.weights) {

@@ -198,7 +198,7 @@ template <typename T>
 void visit_flash_chunk(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile<T>& t,
                        int64_t c0, int64_t c1, int64_t key_block, T* scratch,
                        const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks,
-                       bool ask_ahead) {
+                       bool ask_ahead, const AlignedValues<T>* aligned_values) {
   if (c1 <= a.mask_cols && (c1 <= t.keys_lo || c0 >= t.keys_hi)) return;  // outside every band
   const int qt = kt.query_tile;
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
@@ -216,7 +216,8 @@ void visit_flash_chunk(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile
   T* l = t.l;
   T* m = t.m;
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
-  const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+  RowReader<T> values = row_reader(a.value, kt, b, kv_head);
+  if (aligned_values) values.native = aligned_values->data, values.ld = aligned_values->ld;
 
   std::fill(l, l + qt, T(0));
   std::copy_n(m, qt, m_start);
@@ -348,9 +349,26 @@ void finish_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile
 template <typename T>
 void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
                  int64_t i0, int64_t count, int64_t key_block, bool ask_ahead, T* scratch,
-                 const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks) {
+                 const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks,
+                 AlignedValues<T>* aligned_values) {
   const int qt = kt.query_tile;
   const int64_t S = a.key.shape(2), E = a.query.shape[3], Ev = a.value.shape(3);
+  // The head's values, on cache lines: copied once by this thread for all
+  // the tiles it runs of the head (see AlignedValues).
+  const AlignedValues<T>* values_copy = nullptr;
+  if (aligned_values) {
+    const int64_t kv_head = h / (a.query.shape[1] / a.key.shape(1));
+    if (!value_rows_on_lines(a, b, kv_head)) {
+      AlignedValues<T>& copy = *aligned_values;
+      if (copy.b != b || copy.kv_head != kv_head) {
+        const T* rows = a.value.native.at(b, kv_head);
+        const int64_t ld = a.value.native.stride[2];
+        for (int64_t j = 0; j < S; ++j) std::copy_n(rows + j * ld, Ev, copy.data + j * copy.ld);
+        copy.b = b, copy.kv_head = kv_head;
+      }
+      values_copy = &copy;
+    }
+  }
   const size_t buffers = flash_tile_buffers_size<T>(qt, E, Ev);
   T* visit_scratch = scratch + size_t(count) * buffers;
   // Only the tiles the task runs are constructed (a FlashTile takes about
@@ -369,15 +387,17 @@ void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int6
   for (int64_t c0 = 0; c0 < S; c0 += chunk)
     for (int64_t i = 0; i < begun; ++i)
       visit_flash_chunk(a, kt, tiles[i], c0, std::min(S, c0 + chunk), key_block, visit_scratch,
-                        finite_values, mask_blocks, ask_ahead && i == 0);
+                        finite_values, mask_blocks, ask_ahead && i == 0, values_copy);
   for (int64_t i = 0; i < begun; ++i) finish_flash_tile(a, kt, tiles[i]);
 }
 
 template void flash_tiles<float>(const SdpaArgs<float>&, const KernelTable<float>&, int64_t,
                                  int64_t, int64_t, int64_t, int64_t, bool, float*,
-                                 const FiniteRows&, const MaskBlockMap<float>&);
+                                 const FiniteRows&, const MaskBlockMap<float>&,
+                                 AlignedValues<float>*);
 template void flash_tiles<double>(const SdpaArgs<double>&, const KernelTable<double>&, int64_t,
                                  int64_t, int64_t, int64_t, int64_t, bool, double*,
-                                 const FiniteRows&, const MaskBlockMap<double>&);
+                                 const FiniteRows&, const MaskBlockMap<double>&,
+                                 AlignedValues<double>*);
 
 }  // namespace attnx::sdpa

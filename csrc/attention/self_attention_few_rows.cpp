@@ -25,8 +25,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <memory>
 
+#include "attention/cache_line_array.h"
 #include "attention/projection.h"
 #include "attention/self_attention_few_rows.h"
 #include "kernels/kernel_table.h"
@@ -52,8 +52,8 @@ bool self_attention_few_rows(const MhaArgs<T>& a) {
     return false;
 
   const int64_t xt_size = E * lanes, qkv_size = 3 * E * lanes, o_size = E * lanes;
-  std::unique_ptr<T[]> buffer(
-      new T[size_t(xt_size + qkv_size + o_size + E_out * lanes + L * qt + 3 * qt)]);
+  const CacheLineArray<T> buffer =
+      cache_line_array<T>(size_t(xt_size + qkv_size + o_size + E_out * lanes + L * qt + 3 * qt));
   T* xt = buffer.get();
   T* qkv_t = xt + xt_size;        // 3E x lanes: Q^T, K^T, V^T
   T* o_t = qkv_t + qkv_size;      // E x lanes: the heads' outputs, concatenated
