@@ -66,6 +66,19 @@ def test_cache_attributes_and_read_only_views():
     assert KVCache(1, 1, 2, 2, "float64").dtype == f64
 
 
+@pytest.mark.parametrize("dtype", [np.float16, f32, f64])
+def test_cache_rows_start_on_cache_lines(dtype):
+    """The storage starts on a 64-byte line (NumPy's large arrays start 16 bytes past one), so
+    that with a head dim of whole lines every row does, for the kernels' vector loads; a pickled
+    copy too."""
+    c = KVCache(2, 4, 3000, 64, dtype)
+    copy = pickle.loads(pickle.dumps(c))
+    for cache in (c, copy):
+        for storage in (cache.key, cache.value):
+            assert storage.ctypes.data % 64 == 0 and storage.flags.c_contiguous
+            assert storage.dtype == dtype and storage.shape == (2, 4, 3000, 64)
+
+
 def test_cache_bfloat16():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     for dtype in (ml_dtypes.bfloat16, "bfloat16"):

@@ -38,6 +38,17 @@ def _storage_dtype(dtype) -> np.dtype:
     raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dt}")
 
 
+def _zeros_on_cache_line(shape, dtype) -> np.ndarray:
+    """Zeros whose first byte starts a 64-byte cache line (NumPy's own start 16 bytes past one
+    for large arrays): with a head dim of whole lines, every key and value row does too, and the
+    kernels' vector loads of a row stay within its lines."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    buffer = np.zeros(count * dtype.itemsize + 64, np.uint8)
+    start = -buffer.ctypes.data % 64
+    return buffer[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def _read_only(a: np.ndarray) -> np.ndarray:
     view = a.view()
     view.flags.writeable = False
@@ -114,8 +125,8 @@ class KVCache:
 
     def _allocate(self) -> None:
         lead = (self._batch, self._num_kv_heads, self._max_len)
-        self._key = np.zeros(lead + (self._head_dim,), self._dtype)
-        self._value = np.zeros(lead + (self._value_dim,), self._dtype)
+        self._key = _zeros_on_cache_line(lead + (self._head_dim,), self._dtype)
+        self._value = _zeros_on_cache_line(lead + (self._value_dim,), self._dtype)
         self._lengths = np.zeros(self._batch, np.int64)
 
     # ------------------------------------------------------------------------------------------
