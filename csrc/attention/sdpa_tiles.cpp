@@ -363,7 +363,10 @@ void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int6
       if (copy.b != b || copy.kv_head != kv_head) {
         const T* rows = a.value.native.at(b, kv_head);
         const int64_t ld = a.value.native.stride[2];
-        for (int64_t j = 0; j < S; ++j) std::copy_n(rows + j * ld, Ev, copy.data + j * copy.ld);
+        if (ld == Ev && copy.ld == Ev)  // rows back to back in both: one block
+          std::copy_n(rows, S * Ev, copy.data);
+        else
+          for (int64_t j = 0; j < S; ++j) std::copy_n(rows + j * ld, Ev, copy.data + j * copy.ld);
         copy.b = b, copy.kv_head = kv_head;
       }
       values_copy = &copy;
