@@ -227,6 +227,12 @@ def relayout(p: Provider, a):
         return np.broadcast_to(a[:1], a.shape)
     if kind == 8:  # transposed storage of the last two axes
         return np.ascontiguousarray(np.swapaxes(a, -1, -2)).swapaxes(-1, -2) if a.ndim >= 2 else a
+    if kind == 9:  # contiguous, a whole number of items past a 64-byte cache line
+        buf = np.zeros(a.nbytes + 128, np.uint8)
+        start = -buf.ctypes.data % 64 + a.itemsize * p.int(0, 64 // a.itemsize - 1)
+        m = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+        m[...] = a
+        return m
     return a
 
 
@@ -466,7 +472,8 @@ def fuzz_sdpa(p: Provider):
     lead = tuple(p.int(1, 3) for _ in range(p.int(0, 2)))
     Hk = p.int(1, 3)
     group = p.int(1, 3) if p.bool() else 1
-    L, S = p.choice([0, 1, 2, 5, 17, 33, 70]), p.choice([0, 1, 3, 16, 129, 530])
+    # (130 queries: four query tiles or more, whose values may be read from an aligned copy)
+    L, S = p.choice([0, 1, 2, 5, 17, 33, 70, 130]), p.choice([0, 1, 3, 16, 129, 530])
     E, Ev = p.choice([1, 3, 8, 16, 33]), p.choice([1, 4, 8, 17])
     rank = p.int(2, 2 + len(lead) + 1) if group == 1 else 3 + len(lead)
     batch = (lead + (Hk * group,))[len(lead) + 1 - (rank - 2):] if rank > 2 else ()
