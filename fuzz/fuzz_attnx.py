@@ -266,7 +266,7 @@ def _malformed(p: Provider, like):
         dt = p.choice(WEIRD_DTYPES)
         try:
             return np.zeros(like.shape, dt) if p.bool() else like.astype(dt)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: NumPy's datetime parsing
             return np.zeros(like.shape, dt)
     if kind == 4:  # another rank
         shape = tuple(p.int(0, 4) for _ in range(p.int(0, 6)))
