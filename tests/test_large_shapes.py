@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import attnx
-from _hardening import CI
+from _hardening import CI, under_address_sanitizer
 from attnx import _core
 from conftest import DTYPE_IDS, DTYPES, assert_close, ref_mha, ref_sdpa
 
@@ -178,6 +178,11 @@ def test_module_offsets_past_2_31(arena, rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32], ids=["f32"])
+@pytest.mark.skipif(
+    under_address_sanitizer(),
+    reason="2^31 scores take 80 s in the instrumented kernels (1.5 s in a release build); the "
+    "release builds' suites run this test, where an offset that overflowed would give a wrong "
+    "batch or a crash")
 def test_more_than_2_31_scores(rng, dtype):
     """One sdpa call of B x L x S > 2^31 scores (and a float mask of that many logical
     elements), on stride-0 operands: every batch equals the batch computed alone."""
