@@ -20,12 +20,12 @@ namespace {
 // 60% of the bandwidth a plain sum does, and prefetching 8 rows (4 KiB)
 // ahead took 11-15% off the time (16 rows: about as much, 32: less); with
 // rows of 256 bytes (B4 H12 S4096 D64) it added 3-9%, at 4 KiB ahead too.
-// The kernels that read four rows at a time a vector of each (dot_rows, the
-// scores) ask for the line of each row ahead as they load that vector, not
-// for all the lines of four rows at once: a burst of requests fills the
-// core's line fill buffers and stalls it. On a Xeon core the projections of
-// one token through a 1024-wide layer (dot_rows over 16 MiB of weights)
-// took 18% less time (13.5% on two cores), decoding B1 H32 L4 S4096 D128 3%.
+// The scores, which read four rows at a time a vector of each, ask for the
+// line of each row ahead as they load that vector, not for all the lines of
+// four rows at once: a burst of requests fills the core's line fill buffers
+// and stalls it (decoding B1 H32 L4 S4096 D128: 3% less time on a Xeon
+// core). (The projections of a few rows, dot_rows, ask for nothing ahead:
+// see there.)
 constexpr int64_t kPrefetchMinRowBytes = 512;
 constexpr int64_t kPrefetchRows = 8;
 
