@@ -57,12 +57,10 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   int64_t S_read = S;
   if (a.range.key_lengths) S_read = *std::max_element(a.range.key_lengths, a.range.key_lengths + B);
   // The work that sets the thread count: the multiply-adds, plus the keys
-  // and values read, at 8 multiply-adds an element. A decoding step does a
-  // few multiply-adds an element, and its time is the memory's: H12 S512 D64
-  // (0.8 million multiply-adds, 3 MiB) takes ~100 us on one core.
+  // and values read (see kStreamedElementWork).
   const double streamed = double(B * Hk) * double(S_read) * double(E + Ev);
-  const int nthreads =
-      threads_for(double(B * Hq) * double(L) * double(S_read) * double(E + Ev) + 8 * streamed);
+  const int nthreads = threads_for(double(B * Hq) * double(L) * double(S_read) * double(E + Ev) +
+                                   kStreamedElementWork * streamed);
 
   // The tile path wants most of a tile's lanes busy; fewer queries per head
   // (decoding) and the weights take the row path. The row path without

@@ -13,6 +13,13 @@ namespace attnx {
 // calls, the configured count otherwise.
 int threads_for(double work);
 
+// What one element read from memory (or the last-level cache) and used for
+// a few multiply-adds counts for in threads_for's work: a decoding step or
+// the projections of a few rows take the memory's time, not the
+// multiply-adds'. (Decoding H12 S512 D64, 0.8 million multiply-adds over
+// 3 MiB, takes ~100 us on one core.)
+constexpr double kStreamedElementWork = 8;
+
 inline int current_thread() {
 #ifdef ATTNX_HAVE_OPENMP
   return omp_get_thread_num();
