@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "dispatch/balanced_shares.h"
+
 #ifdef ATTNX_HAVE_OPENMP
 #include <omp.h>
 #endif
@@ -29,8 +31,12 @@ inline int current_thread() {
 }
 
 enum class Schedule {
-  kStatic,  // contiguous, equal shares of the iterations
-  kDynamic  // one iteration at a time to whichever thread is free
+  kStatic,   // contiguous, equal shares of the iterations
+  kDynamic,  // `grain` iterations at a time to whichever thread is free
+  kBalanced  // kStatic's shares, run from the front by their threads and
+             // from the back by threads whose own are done (BalancedShares):
+             // for loops of long iterations, where a core slowed by another
+             // process would otherwise hold up the call
 };
 
 // body(i) for every i in [0, n), on `threads` threads; kDynamic hands out
@@ -46,6 +52,15 @@ void parallel_for(int64_t n, int threads, Schedule schedule, const Body& body,
     if (schedule == Schedule::kDynamic) {
 #pragma omp parallel for schedule(dynamic, grain) num_threads(threads)
       for (int64_t i = 0; i < n; ++i) body(i);
+    } else if (schedule == Schedule::kBalanced && BalancedShares::fits(n)) {
+      // A team given fewer threads than asked leaves shares that no thread
+      // owns; the others take them.
+      BalancedShares shares(n, threads);
+#pragma omp parallel num_threads(threads)
+      {
+        const int thread = omp_get_thread_num();
+        for (int64_t i = shares.next(thread); i >= 0; i = shares.next(thread)) body(i);
+      }
     } else {
 #pragma omp parallel for schedule(static) num_threads(threads)
       for (int64_t i = 0; i < n; ++i) body(i);
