@@ -32,27 +32,21 @@ inline int current_thread() {
 
 enum class Schedule {
   kStatic,   // contiguous, equal shares of the iterations
-  kDynamic,  // `grain` iterations at a time to whichever thread is free
   kBalanced  // kStatic's shares, run from the front by their threads and
              // from the back by threads whose own are done (BalancedShares):
              // for loops of long iterations, where a core slowed by another
              // process would otherwise hold up the call
 };
 
-// body(i) for every i in [0, n), on `threads` threads; kDynamic hands out
-// `grain` consecutive iterations at a time. With one thread it is a plain
-// loop: an OpenMP region, even one made serial by an if clause, ends on a
-// barrier that costs the caller futex system calls (about 1 us per call on
-// a small VM, a sixth of a 16-query attention call).
+// body(i) for every i in [0, n), on `threads` threads. With one thread it is
+// a plain loop: an OpenMP region, even one made serial by an if clause, ends
+// on a barrier that costs the caller futex system calls (about 1 us per call
+// on a small VM, a sixth of a 16-query attention call).
 template <typename Body>
-void parallel_for(int64_t n, int threads, Schedule schedule, const Body& body,
-                  int64_t grain = 1) {
+void parallel_for(int64_t n, int threads, Schedule schedule, const Body& body) {
 #ifdef ATTNX_HAVE_OPENMP
   if (threads > 1 && n > 1) {
-    if (schedule == Schedule::kDynamic) {
-#pragma omp parallel for schedule(dynamic, grain) num_threads(threads)
-      for (int64_t i = 0; i < n; ++i) body(i);
-    } else if (schedule == Schedule::kBalanced && BalancedShares::fits(n)) {
+    if (schedule == Schedule::kBalanced && BalancedShares::fits(n)) {
       // A team given fewer threads than asked leaves shares that no thread
       // owns; the others take them.
       BalancedShares shares(n, threads);
@@ -68,7 +62,7 @@ void parallel_for(int64_t n, int threads, Schedule schedule, const Body& body,
     return;
   }
 #else
-  (void)threads, (void)schedule, (void)grain;
+  (void)threads, (void)schedule;
 #endif
   for (int64_t i = 0; i < n; ++i) body(i);
 }
