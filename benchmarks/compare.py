@@ -33,6 +33,11 @@ Method
   the occasional interruption; GFLOP/s are computed from it. The speed-up is
   ``median(best peer) / median(attnx)``, where the best peer is the fastest library other than
   attnx whose output agreed with the reference (so > 1 means attnx is faster).
+* **Per-round speed-up.** The shared VMs this runs on change speed from one minute to the next
+  (neighbours), and a pooled median can then set one library's fast blocks against another's
+  slow ones. The table also gives the median over rounds of the best peer's block median over
+  attnx's in the same round ("per round"): each ratio compares blocks run a few tenths of a
+  second apart.
 * **Checked outputs.** Every library's output (including attnx's) is compared with a float64
   NumPy reference of the same computation; the max absolute difference is reported and a peer
   that disagrees is flagged and excluded from "best peer", so a broken set-up is visible
@@ -762,6 +767,10 @@ def add_comparisons(result: dict, peaks: dict) -> None:
     best = min(valid, key=valid.get) if valid else None
     result["best_peer"] = best
     result["speedup"] = valid[best] / attnx_ms if best else None
+    result["speedup_per_round"] = None
+    if best:
+        pairs = zip(libs[best]["block_medians_ms"], libs["attnx"]["block_medians_ms"])
+        result["speedup_per_round"] = statistics.median(peer / own for peer, own in pairs)
     attnx_gflops = libs["attnx"]["gflops"]
     result["attnx_gflops"] = attnx_gflops
     result["attnx_fraction_of_fma_peak"] = attnx_gflops / peaks["fma"]["gflops"]
@@ -908,13 +917,15 @@ def fmt_ms(entry: dict) -> str:
 
 def markdown_table(run: dict) -> str:
     head = ["shape", "attnx ms", "numpy ms", "torch ms", "onnxruntime ms", "openvino ms",
-            "best peer", "speed-up", "attnx GFLOP/s", "% of peak"]
+            "best peer", "speed-up", "per round", "attnx GFLOP/s", "% of peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in run["results"]:
         libs = r["libs"]
         cells = [r["shape"]["label"]] + [fmt_ms(libs.get(n, {"status": "-"})) for n in LIBRARIES]
         cells.append(r["best_peer"] or "-")
         cells.append(f"{r['speedup']:.2f}x" if r["speedup"] else "-")
+        per_round = r.get("speedup_per_round")
+        cells.append(f"{per_round:.2f}x" if per_round else "-")
         cells.append(f"{r['attnx_gflops']:.1f}")
         kind = "BW" if r["memory_bound"] else "FMA"
         cells.append(f"{100 * r['attnx_fraction_of_peak']:.1f}% {kind}")
@@ -946,7 +957,8 @@ def print_report(report: dict) -> None:
     print(f"method: {c['rounds']} interleaved rounds, blocks of ~{c['block_seconds']} s per library, "
           f"{c['pause_ms']} ms pause between libraries, median per-call time; float32.")
     print("FLOPs: sdpa 4*B*H*L*S*D (causal: the computed half, 2*B*H*L*S*D); MHA adds 8*B*L*E^2. "
-          "speed-up = best peer's median / attnx's (> 1: attnx faster).")
+          "speed-up = best peer's median / attnx's (> 1: attnx faster); per round = the median over "
+          "rounds of the same ratio of block medians.")
     for run in report["runs"]:
         print(f"\n## {run['threads']} thread(s)\n")
         if "error" in run:
