@@ -99,11 +99,15 @@ struct GemmKernels {
       }
     }
     // Step 2: rank-1 updates, one per k: broadcast A(m, k), multiply-add B row k.
-    if constexpr (kA == ALayout::kStrided && MR >= 16 && MR % 4 == 0) {
+    if constexpr (kA == ALayout::kStrided && MR >= 8 && MR % 4 == 0) {
       // Rows at a runtime stride, as MR / 4 pointers each read at 0, 1, 2
       // and 3 strides: one index register per row (the general loop below)
       // is more than x86-64 has, and the spilled indices cost more loads
-      // than the tile's multiply-adds can hide.
+      // than the tile's multiply-adds can hide. (The AVX-512 tiles of 12
+      // and 8 rows, the flash tile's scores and its last rows of P.V, had
+      // reloaded four spilled indices per k in the general loop: in the
+      // quads, B8 H12 L128 D64 and B2 L512 took 2% less time on one Xeon
+      // core, in-process paired runs, L1024 and the causal L2048 level.)
       const T* quad[MR / 4];
 #pragma GCC unroll 4
       for (int i = 0; i < MR / 4; ++i) quad[i] = a + 4 * i * a_row;
