@@ -131,8 +131,8 @@ def at_byte_offset(x, offset, row_pad=0):
 @pytest.mark.parametrize("Ev", [64, 40])
 def test_values_anywhere_in_memory_give_the_same_bits(rng, Ev, dtype):
     """The query tiles read value rows that do not start on cache lines from a copy whose rows do
-    (where a head has four tiles or more): every offset of the values, rows padded or not, on one
-    thread or two, gives the bits of values that start on a line."""
+    (where a head has five tiles or more; four with 32-byte vectors): every offset of the values,
+    rows padded or not, on one thread or two, gives the bits of values that start on a line."""
     B, Hq, Hk, L, S, E = 2, 4, 2, 130, 300, 64
     q, k = randn(rng, (B, Hq, L, E), dtype), randn(rng, (B, Hk, S, E), dtype)
     v = randn(rng, (B, Hk, S, Ev), dtype)

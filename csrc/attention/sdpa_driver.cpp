@@ -120,7 +120,8 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   const int64_t values_ld = aligned_values_ld<T>(Ev);
   const double values_copy_bytes = double(S) * double(values_ld) * sizeof(T);
   const bool align_values =
-      tiled && a.value.storage == Storage::kNative && !ask_ahead && q_blocks >= kMinTilesToAlign &&
+      tiled && a.value.storage == Storage::kNative && !ask_ahead &&
+      q_blocks >= min_tiles_to_align<T>(kt.vector_width) &&
       values_copy_bytes <= kAlignedValuesMaxBytes &&
       values_copy_bytes * nthreads <= kAlignedValuesMaxCallBytes && !value_rows_on_lines(a, 0, 0);
   const size_t values_copy_size = align_values ? size_t(S * values_ld) + 64 / sizeof(T) : 0;

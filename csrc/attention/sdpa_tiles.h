@@ -86,7 +86,7 @@ size_t flash_visit_scratch_size(int qt, int64_t E, int64_t Ev, int64_t key_block
 // two lines, and the lines of a block's values outgrow L1 next to its score
 // tile. One Zen 3 core, B1 H12 L1024 D64, values 16 bytes past a line: P.V
 // took about a fifth longer, the call 4-11% longer. A thread copies a head
-// once for all its tiles: where a head has tiles enough (kMinTilesToAlign),
+// once for all its tiles: where a head has tiles enough (min_tiles_to_align),
 // its values are not streamed from memory (ask_ahead), and the copies fit
 // kAlignedValuesMaxBytes each and kAlignedValuesMaxCallBytes for all threads.
 template <typename T>
@@ -95,7 +95,18 @@ struct AlignedValues {
   int64_t ld = 0;               // the row length rounded up to whole lines
   int64_t b = -1, kv_head = -1; // whose values data holds
 };
-constexpr int64_t kMinTilesToAlign = 4;
+// The fewest query tiles per head for which the copy pays: 4 with 32-byte
+// vectors (on a Zen 3 core, B8 H12 L128 D64, four tiles a head, took 7-10%
+// less time with the copy), 5 with 64-byte ones. On a Xeon core with
+// AVX-512, the copy of a head of four tiles cost more than its aligned loads
+// saved: B8 H12 L128 D64 without it, in-process paired runs, 1.4-1.9% less
+// time on one thread and 4.2-4.6% on two; with six tiles (L192) the copy was
+// 2.9% ahead on one thread and 2.2% behind on two, with 32 (L1024) 1.5%
+// ahead on both.
+template <typename T>
+int64_t min_tiles_to_align(int vector_width) {
+  return vector_width * int64_t(sizeof(T)) >= 64 ? 5 : 4;
+}
 constexpr double kAlignedValuesMaxBytes = 2 << 20;
 constexpr double kAlignedValuesMaxCallBytes = 16 << 20;
 
