@@ -4,7 +4,7 @@
 ``scaled_dot_product_attention``, ``multi_head_attention_forward``, ``MultiheadAttention``
 (construction, forward, ``load_state_dict``), ``set_num_threads``, ``KVCache`` with
 ``cached_attention``, ``multi_head_attention_step`` (a few decoding steps over a cache), and
-the private ``_core.sdpa`` / ``_core.sdpa_plain`` / ``_core.mha`` / ``_core.MhaPlan`` --
+the private ``_core.sdpa`` / ``_testing.sdpa`` / ``_core.mha`` / ``_core.MhaPlan`` --
 built as a valid call that is then mutated 0 to 3 times: an argument replaced by a
 malformed value (wrong rank, shape, dtype, strides, byte order, alignment, a list, a
 string, None, an object whose ``__array__`` raises, ...), or resized, or re-typed, or
@@ -53,7 +53,8 @@ if os.environ.get("ATTNX_FUZZ_ATHERIS_INSTRUMENT"):  # set by --engine atheris
 else:
     import attnx
 
-from attnx import _core, reference
+from attnx import _core, _testing, reference
+from attnx._canonical import sdpa_options
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 F16 = np.dtype(np.float16)
@@ -815,16 +816,23 @@ def fuzz_core(p: Provider):
             and np.shares_memory(a["out"], a["weights"]))
         snap = snapshot(inputs)
         if which == "sdpa_plain":
-            ok, got = call("_core.sdpa_plain", lambda: _core.sdpa_plain(a["query"], a["key"], a["value"], a["causal"]))
-            check_untouched(snap, "_core.sdpa_plain")
-            if ok and got is not None:
+            ok, got = call("_core.sdpa", lambda: _core.sdpa(
+                a["query"], a["key"], a["value"], None, sdpa_options(a["causal"], None, False, None), None))
+            check_untouched(snap, "_core.sdpa")
+            qkv = (a["query"], a["key"], a["value"])
+            # The oracle below takes canonical operands; others were checked by the Python rules.
+            canonical = all(isinstance(x, np.ndarray) and x.ndim == 4 for x in qkv) and (
+                qkv[0].shape[:2] == qkv[1].shape[:2] == qkv[2].shape[:2])
+            if ok and canonical:
                 exp, _ = core_sdpa_expected(a["query"], a["key"], a["value"], None, bool(a["causal"]),
                                             1 / math.sqrt(safe_shape(a["query"])[3]))
-                compare(got, exp, np.asarray(a["query"]).dtype, "_core.sdpa_plain", inputs)
+                compare(got, exp, np.asarray(a["query"]).dtype, "_core.sdpa", inputs)
             return
-        ok, _ = call("_core.sdpa", lambda: _core.sdpa(**a))
+        ok, _ = call("_testing.sdpa", lambda: _testing.sdpa(
+            a["query"], a["key"], a["value"], a["attn_mask"],
+            _core.SdpaOptions(a["causal"], False, a["scale"], -1, -1, False), a["out"], a["weights"]))
         if not aliased:
-            check_untouched(snap, "_core.sdpa")
+            check_untouched(snap, "_testing.sdpa")
         if ok and not aliased and n_mut == 0:
             exp_out, exp_w = core_sdpa_expected(a["query"], a["key"], a["value"], a["attn_mask"], a["causal"], a["scale"])
             moderate = logits_moderate(a["query"], a["key"], a["scale"])

@@ -13,7 +13,7 @@ import pytest
 
 import attnx
 from attnx import _core
-from conftest import DTYPE_IDS, DTYPES, mha_args, mha_mask, randn, sdpa_mask
+from conftest import core_sdpa, DTYPE_IDS, DTYPES, mha_args, mha_mask, randn, sdpa_mask
 
 
 def snapshot(arrays):
@@ -136,11 +136,11 @@ def test_core_functions_write_only_their_outputs(rng):
     mask = randn(rng, (2, 2, 5, 7), f)
     snap = snapshot([q, k, v, mask])
     out, weights = np.empty((2, 2, 5, 4), f), np.empty((2, 2, 5, 7), f)
-    _core.sdpa(q, k, v, mask, False, 0.5, out, weights)
+    core_sdpa(q, k, v, mask, False, 0.5, out, weights)
     assert_untouched(snap)
     q4 = randn(rng, (2, 2, 5, 8), f)
-    r1 = _core.sdpa_plain(q4, q4, q4, False)
-    r2 = _core.sdpa_plain(q4, q4, q4, True)
+    r1 = attnx.scaled_dot_product_attention(q4, q4, q4)
+    r2 = attnx.scaled_dot_product_attention(q4, q4, q4, is_causal=True)
     assert_disjoint([r1, r2], [q4])
     x = randn(rng, (2, 5, 8), f)
     w = randn(rng, (8, 8), f)

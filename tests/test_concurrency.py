@@ -31,7 +31,7 @@ import pytest
 import attnx
 from _hardening import record, scaled, under_address_sanitizer
 from attnx import _core
-from conftest import assert_identical, mha_args, mha_mask, randn, sdpa_mask
+from conftest import core_sdpa, assert_identical, mha_args, mha_mask, randn, sdpa_mask
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
 
@@ -88,7 +88,7 @@ def make_inputs(seed, dtype=np.float32):
 def _core_sdpa(d):
     out = np.empty(d["q"].shape[:3] + (d["v"].shape[3],), d["q"].dtype)
     weights = np.empty(d["q"].shape[:3] + (d["k"].shape[2],), d["q"].dtype)
-    _core.sdpa(d["q"], d["k"], d["v"], np.broadcast_to(d["mask"], (2, 4, 48, 80)), False, 0.2, out, weights)
+    core_sdpa(d["q"], d["k"], d["v"], np.broadcast_to(d["mask"], (2, 4, 48, 80)), False, 0.2, out, weights)
     return out, weights
 
 
@@ -136,7 +136,7 @@ JOBS = {
                                            average_attn_weights=False, is_causal=True),
     "module_load_state_dict": _load_state_then_forward,
     "core_sdpa": _core_sdpa,
-    "core_sdpa_plain": lambda d: (_core.sdpa_plain(d["q"], d["k"], d["v"], True),),
+    "core_sdpa_plain": lambda d: (attnx.scaled_dot_product_attention(d["q"], d["k"], d["v"], is_causal=True),),
     "core_mha": _core_mha,
     "runtime": _runtime,
 }
@@ -262,8 +262,8 @@ def _long_call(entry, size):
         return {
             "sdpa_plain": lambda: attnx.scaled_dot_product_attention(q, q, q),
             "sdpa_general": lambda: attnx.scaled_dot_product_attention(q, q, q, mask, scale=0.1),
-            "core_sdpa": lambda: _core.sdpa(q, q, q, None, True, 0.1, out, None),
-            "core_sdpa_plain": lambda: _core.sdpa_plain(q, q, q, False),
+            "core_sdpa": lambda: core_sdpa(q, q, q, None, True, 0.1, out, None),
+            "core_sdpa_plain": lambda: attnx.scaled_dot_product_attention(q, q, q),
         }[entry]
     x = randn(rng, (size, 256, 256), f)
     if entry == "module":

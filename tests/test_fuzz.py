@@ -117,7 +117,7 @@ def test_the_step_oracle_catches_a_wrong_result_and_a_late_error(monkeypatch):
 def test_enable_gqa_is_checked_on_every_path(flag):
     """Found by the fuzzer: ``enable_gqa`` that is not a bool raises TypeError on the general
     path (with a mask, a scale or ``out=``) but was accepted silently on the plain fast path
-    (three 4-D arrays, no mask, default scale: functional.py hands them to ``_core.sdpa_plain``
+    (three 4-D arrays, no mask, default scale: a fast path then handed them to the core
     before any flag is checked). The same call must not succeed or fail depending on whether
     a scale was passed."""
     q = np.ones((1, 2, 3, 4), np.float32)

@@ -23,7 +23,7 @@ import pytest
 import attnx
 from _hardening import CI, under_address_sanitizer
 from attnx import _core
-from conftest import DTYPE_IDS, DTYPES, assert_close, ref_mha, ref_sdpa
+from conftest import core_sdpa, DTYPE_IDS, DTYPES, assert_close, ref_mha, ref_sdpa
 
 ROW_GAP = 2**27  # elements between consecutive rows of every array below
 TWO31 = 2**31
@@ -110,7 +110,7 @@ def test_core_sdpa_writes_past_2_31(arena, rng):
     assert SparseArena.max_offset(out) > TWO31
     weights = np.empty((B, H, L, S), dt)
     for w in (None, weights):
-        _core.sdpa(q, k, v, mask, True, 0.5, out, w)
+        core_sdpa(q, k, v, mask, True, 0.5, out, w)
         bias = np.where(np.arange(S) > np.arange(L)[:, None], -np.inf, np.asarray(mask, np.float64))
         from attnx import reference
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import attnx
+from conftest import core_sdpa
 from _hardening import malloc_in_use_bytes, record, rss_bytes, scaled, under_address_sanitizer
 from attnx import _core
 
@@ -110,9 +111,9 @@ ENTRIES = {
     "load_state_dict raises": (lambda: MODULE.load_state_dict(BAD_STATE), ValueError),
     "set/get_num_threads": (lambda: attnx.set_num_threads(attnx.get_num_threads()), None),
     "set_num_threads raises": (lambda: attnx.set_num_threads(0), ValueError),
-    "_core.sdpa": (lambda: _core.sdpa(Q, K, V, None, True, 0.5, OUT, WEIGHTS), None),
-    "_core.sdpa raises": (lambda: _core.sdpa(Q, K, V, None, False, 0.5, WEIGHTS, None), ValueError),
-    "_core.sdpa_plain": (lambda: _core.sdpa_plain(Q, K, V, False), None),
+    "_core.sdpa": (lambda: core_sdpa(Q, K, V, None, True, 0.5, OUT, WEIGHTS), None),
+    "_core.sdpa raises": (lambda: core_sdpa(Q, K, V, None, False, 0.5, WEIGHTS, None), ValueError),
+    "_core.sdpa_plain": (lambda: attnx.scaled_dot_product_attention(Q, K, V), None),
     "_core.mha": (core_mha, None),
     "_core.mha raises": (lambda: core_mha(num_heads=3), ValueError),
     "sdpa bottom-right, window": (

@@ -113,16 +113,15 @@ def test_grouped_rows_read_16_bit_keys_and_values(rng, storage):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_gqa_takes_the_plain_path_with_the_same_bits(rng, dtype):
+def test_gqa_canonical_and_converted_calls_give_the_same_bits(rng, dtype):
     q, k, v = _inputs(rng, dtype, 8, 2, 1, 200, 32, 32)
-    plain = _core.sdpa_plain(q, k, v, False, True)
-    assert plain is not None
-    general = sdpa(q, k, v, enable_gqa=True, scale=1 / math.sqrt(32))  # a scale: the general path
-    assert_identical(plain, general)
-    assert_identical(sdpa(q, k, v, enable_gqa=True), general)
-    # Without enable_gqa, or with heads that do not divide, the plain path declines.
-    assert _core.sdpa_plain(q, k, v, False, False) is None
-    assert _core.sdpa_plain(q, k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1), False, True) is None
+    canonical = sdpa(q, k, v, enable_gqa=True)  # run by the core as they are
+    # Keys and values with a strided last dim go through the Python rules first (copied).
+    converted = sdpa(q, np.asfortranarray(k), np.asfortranarray(v), enable_gqa=True)
+    assert_identical(canonical, converted)
+    assert_identical(sdpa(q, k, v, enable_gqa=True, scale=1 / math.sqrt(32)), canonical)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        sdpa(q, k, v)
     with pytest.raises(ValueError, match="multiple of key heads"):
         sdpa(q, k[:, :1].repeat(3, axis=1), v[:, :1].repeat(3, axis=1), enable_gqa=True)
 

@@ -111,6 +111,18 @@ const T* vector_data(const std::optional<py::array>& a, const char* name, int64_
   return v.data;
 }
 
+// Checks the leading extents of a view (a shape mismatch raises ValueError).
+template <typename View>
+void require_shape(const View& v, const char* name, std::initializer_list<int64_t> expected) {
+  int d = 0;
+  for (int64_t extent : expected) {
+    if (v.shape[d] != extent)
+      throw py::value_error(std::string(name) + ": dimension " + std::to_string(d) + " is " +
+                            std::to_string(v.shape[d]) + ", expected " + std::to_string(extent));
+    ++d;
+  }
+}
+
 // A C-contiguous output buffer of exactly the given shape, or null.
 template <typename T>
 T* contiguous_output(std::optional<py::array>& a, const char* name,

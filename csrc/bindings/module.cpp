@@ -9,6 +9,8 @@ void register_attention(py::module_& m);
 void register_conversions(py::module_& m);
 void register_mha_plan(py::module_& m);
 void register_runtime(py::module_& m);
+void register_sdpa(py::module_& m);
+void register_sdpa_testing(py::module_& testing);
 }  // namespace attnx::bindings
 
 PYBIND11_MODULE(_core, m) {
@@ -17,4 +19,8 @@ PYBIND11_MODULE(_core, m) {
   attnx::bindings::register_conversions(m);
   attnx::bindings::register_mha_plan(m);
   attnx::bindings::register_runtime(m);
+  attnx::bindings::register_sdpa(m);
+  // Hooks for the tests only: attnx._testing re-exports them.
+  py::module_ testing = m.def_submodule("_testing", "test hooks (private)");
+  attnx::bindings::register_sdpa_testing(testing);
 }

@@ -1,6 +1,6 @@
-// Bindings of the two attention entry points. Each converts its arrays to
-// views, checks that the shapes agree, and runs the core with the GIL
-// released.
+// Bindings of multi-head attention and of its linear layers. Each converts
+// its arrays to views, checks that the shapes agree, and runs the core with
+// the GIL released.
 //
 // Releasing the GIL is safe: the core touches no Python object, and the
 // py::array arguments keep every buffer alive until the call returns.
@@ -33,140 +33,6 @@ std::string shape_string(const py::array& a) {
 namespace {
 
 using OptArray = std::optional<py::array>;
-
-template <typename View>
-void require_shape(const View& v, const char* name, std::initializer_list<int64_t> expected) {
-  int d = 0;
-  for (int64_t extent : expected) {
-    if (v.shape[d] != extent)
-      throw py::value_error(std::string(name) + ": dimension " + std::to_string(d) + " is " +
-                            std::to_string(v.shape[d]) + ", expected " + std::to_string(extent));
-    ++d;
-  }
-}
-
-// A mask broadcast to (lead..., H, L, S), any number of lead dims, as a
-// (B, H, L, S) view: one lead dim is a plain stride; several get a table of
-// batch offsets computed from the array's own strides, so a broadcast mask
-// is read in place however its lead dims are laid out.
-template <typename T>
-StridedView<const T, 4> batched_mask_view(const py::array& mask, const char* name,
-                                          std::vector<int64_t>& offsets) {
-  check_array<T>(mask, name, static_cast<int>(mask.ndim()), false, false);
-  const int lead = static_cast<int>(mask.ndim()) - 3;
-  if (lead < 1) throw py::value_error(std::string(name) + ": expected at least 4 dimensions");
-  StridedView<const T, 4> v;
-  v.data = static_cast<const T*>(mask.data());
-  for (int d = 0; d < 3; ++d) {
-    v.shape[1 + d] = mask.shape(lead + d);
-    v.stride[1 + d] = mask.strides(lead + d) / static_cast<py::ssize_t>(sizeof(T));
-  }
-  v.shape[0] = 1;
-  for (int d = 0; d < lead; ++d) v.shape[0] *= mask.shape(d);
-  if (lead == 1) {
-    v.stride[0] = mask.strides(0) / static_cast<py::ssize_t>(sizeof(T));
-    return v;
-  }
-  offsets.assign(size_t(v.shape[0]), 0);
-  // Row-major over the lead dims: offset(b) = sum_d index_d(b) * stride_d.
-  for (int64_t b = 0; b < v.shape[0]; ++b) {
-    int64_t rest = b, offset = 0;
-    for (int d = lead - 1; d >= 0; --d) {
-      offset += (rest % mask.shape(d)) * (mask.strides(d) / static_cast<py::ssize_t>(sizeof(T)));
-      rest /= mask.shape(d);
-    }
-    offsets[size_t(b)] = offset;
-  }
-  v.batch_offsets = offsets.data();
-  return v;
-}
-
-// Keys or values: an array of T, or, for a float32 call, of float16 or
-// bfloat16 (read in place and widened as they are loaded).
-template <typename T>
-StoredView<T> stored_view(const py::array& a, const char* name) {
-  const py::dtype dt = a.dtype();
-  if constexpr (std::is_same_v<T, float>) {
-    const bool float16 = dt.kind() == 'f' && dt.itemsize() == 2;
-    // ml_dtypes' bfloat16 is a 2-byte type of its own, known by its name.
-    const bool bfloat16 = dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16";
-    if ((float16 || bfloat16) && dt.attr("isnative").template cast<bool>()) {
-      check_layout(a, name, 4, true, false, 2);
-      StoredView<T> v;
-      v.storage = float16 ? Storage::kFloat16 : Storage::kBFloat16;
-      v.bits.data = static_cast<const uint16_t*>(a.data());
-      for (int d = 0; d < 4; ++d) {
-        v.bits.shape[d] = a.shape(d);
-        v.bits.stride[d] = a.shape(d) > 1 ? a.strides(d) / 2 : 0;
-      }
-      return v;
-    }
-  }
-  return StoredView<T>::of(const_view<T, 4>(a, name));
-}
-
-// Per-batch lengths: a C-contiguous int64 vector of B values in [0, limit].
-const int64_t* lengths_data(const OptArray& a, const char* name, int64_t B, int64_t limit) {
-  if (!a) return nullptr;
-  const int64_t* data = vector_data<int64_t>(a, name, B);
-  for (int64_t b = 0; b < B; ++b)
-    if (data[b] < 0 || data[b] > limit)
-      throw py::value_error(std::string(name) + ": " + std::to_string(data[b]) + " at index " +
-                            std::to_string(b) + " is outside [0, " + std::to_string(limit) + "]");
-  return data;
-}
-
-// A window extent: < 0 unbounded; extents past `limit` mean the same as it.
-int64_t window_extent(int64_t w, int64_t limit) { return w < 0 ? -1 : std::min(w, limit); }
-
-template <typename T>
-void sdpa_typed(const py::array& query, const py::array& key, const py::array& value,
-                const OptArray& attn_mask, bool causal, double scale, py::array& out,
-                OptArray& weights, bool bottom_right, int64_t window_left, int64_t window_right,
-                const OptArray& key_lengths, const OptArray& query_lengths) {
-  SdpaArgs<T> a;
-  a.query = const_view<T, 4>(query, "query");
-  a.key = stored_view<T>(key, "key");
-  a.value = stored_view<T>(value, "value");
-  const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
-  const int64_t E = a.query.shape[3], Hk = a.key.shape(1), S = a.key.shape(2);
-  const int64_t Ev = a.value.shape(3);
-  const auto require = [](const StoredView<T>& v, const char* name,
-                          std::initializer_list<int64_t> expected) {
-    int d = 0;
-    for (int64_t extent : expected) {
-      if (v.shape(d) != extent)
-        throw py::value_error(std::string(name) + ": dimension " + std::to_string(d) + " is " +
-                              std::to_string(v.shape(d)) + ", expected " +
-                              std::to_string(extent));
-      ++d;
-    }
-  };
-  require(a.key, "key", {B, Hk, S, E});
-  require(a.value, "value", {B, Hk, S, Ev});
-  if (Hq > 0 && (Hk == 0 || Hq % Hk != 0))
-    throw py::value_error("query heads (" + std::to_string(Hq) +
-                          ") must be a multiple of key heads (" + std::to_string(Hk) + ")");
-  std::vector<int64_t> mask_offsets;
-  if (attn_mask) {
-    a.masks[0] = batched_mask_view<T>(*attn_mask, "attn_mask", mask_offsets);
-    require_shape(a.masks[0], "attn_mask", {B, Hq, L, S});
-  }
-  if (!std::isfinite(scale)) throw py::value_error("scale must be finite");
-  a.mask_cols = S;
-  a.range.causal = causal;
-  a.range.bottom_right = bottom_right;
-  a.range.window_left = window_extent(window_left, S + L);
-  a.range.window_right = window_extent(window_right, S + L);
-  a.range.key_lengths = lengths_data(key_lengths, "key_lengths", B, S);
-  a.range.query_lengths = lengths_data(query_lengths, "query_lengths", B, L);
-  a.scale = static_cast<T>(scale);
-  a.out = mutable_view<T, 4>(out, "out");
-  require_shape(a.out, "out", {B, Hq, L, Ev});
-  a.weights = contiguous_output<T>(weights, "weights", {B, Hq, L, S});
-  py::gil_scoped_release release;
-  sdpa_forward(a);
-}
 
 // out = x . w^T + b.
 template <typename T>
@@ -264,71 +130,9 @@ void mha_typed(int64_t num_heads, const py::array& query, const py::array& key,
 // Equal, not identical: an unpickled array has an equal but distinct dtype object.
 bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(dt); }
 
-// The common call -- three 4-D arrays of one dtype with the same (B, H), rows
-// contiguous, no mask -- without the Python layer's general canonicalisation
-// (which costs more than a small call's arithmetic). Returns None for any
-// other input, which then takes the general path and its checks.
-template <typename T>
-py::object sdpa_plain_typed(const py::array& q, const py::array& k, const py::array& v,
-                            bool causal, bool enable_gqa) {
-  const py::ssize_t item = sizeof(T);
-  for (const py::array* a : {&q, &k, &v}) {
-    if (a->ndim() != 4 || !is_dtype(*a, py::dtype::of<T>())) return py::none();
-    if (a->size() == 0 || a->strides(3) != item || a->strides(0) % item || a->strides(1) % item ||
-        a->strides(2) % item || reinterpret_cast<std::uintptr_t>(a->data()) % alignof(T))
-      return py::none();
-  }
-  const py::ssize_t B = q.shape(0), H = q.shape(1), L = q.shape(2), E = q.shape(3);
-  // Key heads: as many as the query's, or with enable_gqa a divisor of them.
-  const py::ssize_t Hk = k.shape(1);
-  const bool heads_match = Hk == H || (enable_gqa && H % Hk == 0);
-  if (k.shape(0) != B || !heads_match || k.shape(3) != E || v.shape(0) != B ||
-      v.shape(1) != Hk || v.shape(2) != k.shape(2))
-    return py::none();
-  py::array_t<T> out({B, H, L, v.shape(3)});
-  SdpaArgs<T> a;
-  a.query = const_view<T, 4>(q, "query");
-  a.key = StoredView<T>::of(const_view<T, 4>(k, "key"));
-  a.value = StoredView<T>::of(const_view<T, 4>(v, "value"));
-  a.mask_cols = k.shape(2);
-  a.range.causal = causal;
-  a.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(E)));
-  py::array out_array = out;
-  a.out = mutable_view<T, 4>(out_array, "out");
-  {
-    py::gil_scoped_release release;
-    sdpa_forward(a);
-  }
-  return std::move(out);
-}
-
 }  // namespace
 
 void register_attention(py::module_& m) {
-  m.def(
-      "sdpa",
-      [](const py::array& query, const py::array& key, const py::array& value,
-         const OptArray& attn_mask, bool causal, double scale, py::array& out, OptArray weights,
-         bool bottom_right, int64_t window_left, int64_t window_right,
-         const OptArray& key_lengths, const OptArray& query_lengths) {
-        if (is_dtype(query, py::dtype::of<float>()))
-          sdpa_typed<float>(query, key, value, attn_mask, causal, scale, out, weights,
-                            bottom_right, window_left, window_right, key_lengths, query_lengths);
-        else if (is_dtype(query, py::dtype::of<double>()))
-          sdpa_typed<double>(query, key, value, attn_mask, causal, scale, out, weights,
-                             bottom_right, window_left, window_right, key_lengths, query_lengths);
-        else
-          throw py::type_error("query: expected float32 or float64");
-      },
-      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
-      py::arg("causal"), py::arg("scale"), py::arg("out"), py::arg("weights"),
-      py::arg("bottom_right") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
-      py::arg("key_lengths") = py::none(), py::arg("query_lengths") = py::none(),
-      "Scaled dot-product attention on canonical (B, H, L, E) views. key and value may be\n"
-      "float16 or bfloat16 for a float32 query. Row i of batch b attends key j < klen_b,\n"
-      "with causal: j <= i + d; window_left >= 0: j >= i + d - window_left; window_right >= 0:\n"
-      "j <= i + d + window_right; d = klen_b - qlen_b with bottom_right, else 0;\n"
-      "klen_b = key_lengths[b] or S, qlen_b = query_lengths[b] or L (rows past it are zero).");
   m.def(
       "linear",
       [](const py::array& x, const py::array& w, const OptArray& b, py::array& out) {
@@ -341,26 +145,6 @@ void register_attention(py::module_& m) {
       },
       py::arg("x"), py::arg("w"), py::arg("b"), py::arg("out"),
       "out = x . w^T + b for x (N, K), w (M, K), b (M,) or None, out (N, M).");
-  m.def(
-      "sdpa_plain",
-      [](const py::handle& query, const py::handle& key, const py::handle& value, bool causal,
-         bool enable_gqa) -> py::object {
-        if (!py::isinstance<py::array>(query) || !py::isinstance<py::array>(key) ||
-            !py::isinstance<py::array>(value))
-          return py::none();
-        const auto q = py::reinterpret_borrow<py::array>(query);
-        const auto k = py::reinterpret_borrow<py::array>(key);
-        const auto v = py::reinterpret_borrow<py::array>(value);
-        if (is_dtype(q, py::dtype::of<float>()))
-          return sdpa_plain_typed<float>(q, k, v, causal, enable_gqa);
-        if (is_dtype(q, py::dtype::of<double>()))
-          return sdpa_plain_typed<double>(q, k, v, causal, enable_gqa);
-        return py::none();
-      },
-      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("causal"),
-      py::arg("enable_gqa") = false,
-      "sdpa of three plain 4-D arrays with the default scale and no mask, or None; with\n"
-      "enable_gqa the key heads may divide the query heads.");
   m.def(
       "mha",
       [](int64_t num_heads, const py::array& query, const py::array& key, const py::array& value,

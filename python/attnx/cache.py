@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import operator
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ._arrays import as_lengths, as_positive_int, is_floating, is_half, shape_str
@@ -53,6 +55,14 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     view = a.view()
     view.flags.writeable = False
     return view
+
+
+class CacheStorage(NamedTuple):
+    """The arrays of a :class:`KVCache` (see :meth:`KVCache.storage`)."""
+
+    key: np.ndarray
+    value: np.ndarray
+    lengths: np.ndarray
 
 
 class KVCache:
@@ -246,10 +256,20 @@ class KVCache:
                     self._value[b, :, s : s + n] = v[b, :, :n]
         self._lengths += new
 
-    def _rewind(self, lengths: np.ndarray) -> None:
-        """Return every sequence to ``lengths`` (taken before an append): undoes
-        that append, since positions at or past a sequence's length are never read."""
-        self._lengths[:] = lengths
+    def storage(self) -> CacheStorage:
+        """The live arrays the kernels read and write, for code that decodes over the cache.
+
+        Returns
+        -------
+        CacheStorage
+            ``(key, value, lengths)``: the writable key ``(batch, num_kv_heads, max_len,
+            head_dim)`` and value storage, and the int64 lengths. Positions at or past a
+            sequence's length are never read, so writing there and then raising the
+            length appends; setting the lengths back to earlier values undoes appends.
+            The :attr:`key`, :attr:`value` and :attr:`lengths` properties are read-only
+            views of the same arrays.
+        """
+        return CacheStorage(self._key, self._value, self._lengths)
 
     def reset(self, index=None) -> None:
         """Empty every sequence, or the slot ``index`` only (for continuous batching).

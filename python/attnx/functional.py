@@ -13,10 +13,10 @@ import math
 import numpy as np
 
 # Calls into _core pass every argument by position. Given any keyword, pybind11 looks each
-# parameter's name up among the keywords, making and interning a string a parameter: for
-# _core.mha 20 strings made and freed a call, and churn in the interpreter's table of
-# interned strings, which then grows by megabytes at unpredictable calls.
+# parameter's name up among the keywords, making and interning a string a parameter, and the
+# interpreter's table of interned strings then grows at unpredictable calls.
 from . import _core
+from ._canonical import sdpa_options
 from ._arrays import (
     CAUSAL_CHOICES,
     additive_mask,
@@ -113,128 +113,8 @@ def scaled_dot_product_attention(
     >>> attnx.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", window=(3, 0)).shape
     (2, 4, 1, 16)
     """
-    if (
-        attn_mask is None
-        and scale is None
-        and out is None
-        and window is None
-        and (is_causal is True or is_causal is False)
-        and (enable_gqa is True or enable_gqa is False)
-    ):
-        # The plain call, checked and run in C++; None means "not plain". (enable_gqa
-        # is passed only when set: one argument fewer to convert is 1-2% of a small call.)
-        if enable_gqa:
-            result = _core.sdpa_plain(query, key, value, is_causal, True)
-        else:
-            result = _core.sdpa_plain(query, key, value, is_causal)
-        if result is not None:
-            return result
-    result_dtype, dtype = result_and_compute_dtype(query)
-    q = as_float(query, dtype, "query")
-    k = as_float(key, dtype, "key", keep_half=True)
-    v = as_float(value, dtype, "value", keep_half=True)
-    causal, bottom_right = causal_mode(is_causal)
-    enable_gqa = as_bool_flag(enable_gqa, "enable_gqa")
-    window_left, window_right = window_bounds(window)
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape {shape_str(x.shape)}")
-    if causal and attn_mask is not None:
-        raise ValueError(f"attn_mask and is_causal={is_causal!r} cannot both be given")
-
-    L, E = q.shape[-2:]
-    S, E_k = k.shape[-2:]
-    S_v, Ev = v.shape[-2:]
-    if E_k != E:
-        raise ValueError(
-            f"query and key must have the same last dimension: query {shape_str(q.shape)}, key {shape_str(k.shape)}"
-        )
-    if S_v != S:
-        raise ValueError(
-            f"key and value must have the same sequence length (dim -2): key {shape_str(k.shape)}, value {shape_str(v.shape)}"
-        )
-
-    # Canonical form: (lead..., H, L, E), with dim -3 the head dim.
-    out_ndim = max(q.ndim, k.ndim, v.ndim)
-    nd = max(out_ndim, 3)
-    batch_q, batch_k, batch_v = (((1,) * (nd - x.ndim)) + x.shape[:-2] for x in (q, k, v))
-    try:
-        if enable_gqa:
-            Hq, Hk = batch_q[-1], batch_k[-1]
-            if batch_v[-1] != Hk:
-                raise ValueError(
-                    f"with enable_gqa, key and value must have the same number of heads (dim -3): "
-                    f"key {shape_str(k.shape)}, value {shape_str(v.shape)}"
-                )
-            if Hk == 0 or Hq % Hk != 0:
-                raise ValueError(
-                    f"with enable_gqa, query heads must be a multiple of key heads (dim -3): "
-                    f"query {shape_str(q.shape)}, key {shape_str(k.shape)}"
-                )
-            lead = np.broadcast_shapes(batch_q[:-1], batch_k[:-1], batch_v[:-1])
-        else:
-            *lead, Hq = np.broadcast_shapes(batch_q, batch_k, batch_v)
-            lead, Hk = tuple(lead), Hq
-    except ValueError as exc:
-        if "enable_gqa" in str(exc):
-            raise
-        raise ValueError(
-            f"the batch dims of query {shape_str(q.shape)}, key {shape_str(k.shape)} and value "
-            f"{shape_str(v.shape)} do not broadcast"
-        ) from None
-
-    full_batch = lead + (Hq,)
-    result_shape = full_batch[len(full_batch) - (out_ndim - 2):] + (L, Ev)
-    nlead = len(lead)
-    q4 = merge_leading(np.broadcast_to(q.reshape(batch_q + (L, E)), full_batch + (L, E)), nlead)
-    k4 = merge_leading(np.broadcast_to(k.reshape(batch_k + (S, E)), lead + (Hk, S, E)), nlead)
-    v4 = merge_leading(np.broadcast_to(v.reshape(batch_v + (S, Ev)), lead + (Hk, S, Ev)), nlead)
-
-    mask4 = None
-    if attn_mask is not None:
-        mask = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=False)
-        # The scores have the result's rank: a mask of higher rank does not broadcast to
-        # them, even where its extra leading dims are 1.
-        scores_shape = result_shape[:-1] + (S,)
-        try:
-            if mask.ndim > len(scores_shape):
-                raise ValueError
-            mask = np.broadcast_to(mask, full_batch + (L, S))
-        except ValueError:
-            raise ValueError(
-                f"attn_mask of shape {shape_str(np.shape(attn_mask))} does not broadcast to the "
-                f"scores' shape {shape_str(scores_shape)}"
-            ) from None
-        # The lead dims stay as they are: the core reads them through their
-        # strides even where they cannot merge into one (e.g. strides (0, s)).
-        mask4 = mask if nlead else mask[None]
-
-    scale = (1.0 / math.sqrt(E) if E > 0 else 1.0) if scale is None else as_finite_scale(scale)
-
-    if out is None:
-        out = np.empty(result_shape, result_dtype)
-    else:
-        check_out(out, result_shape, result_dtype, (q, k, v, attn_mask))
-    if out.size == 0:
-        return out
-    # Half-precision results are computed into a float32 buffer, then rounded.
-    computed = out if result_dtype == dtype else np.empty(result_shape, dtype)
-    _core.sdpa(
-        kernel_layout(q4),
-        kernel_layout(k4),
-        kernel_layout(v4),
-        None if mask4 is None else kernel_layout(mask4, contiguous_last=False),
-        causal,
-        scale,
-        computed.reshape(q4.shape[:3] + (Ev,)),
-        None,
-        bottom_right,
-        window_left,
-        window_right,
-    )
-    if computed is not out:
-        out[...] = computed
-    return out
+    options = sdpa_options(is_causal, scale, enable_gqa, window)
+    return _core.sdpa(query, key, value, attn_mask, options, out)
 
 
 def _check_mha_ranks(query, key, value, key_padding_mask, attn_mask, num_heads) -> bool:
@@ -590,21 +470,9 @@ def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, out) -
         return
     dtype = _cache_compute_dtype(cache)
     computed = out if out.dtype == dtype else np.empty(out.shape, dtype)
-    _core.sdpa(
-        kernel_layout(as_float(q, dtype, "query")),
-        cache._key,
-        cache._value,
-        None,
-        True,
-        scale,
-        computed,
-        None,
-        True,  # bottom_right
-        window_left,
-        window_right,
-        cache._lengths,  # key_lengths
-        n,  # query_lengths
-    )
+    key, value, lengths = cache.storage()
+    options = _core.SdpaOptions(True, True, scale, window_left, window_right, True)
+    _core.cached_attention(kernel_layout(as_float(q, dtype, "query")), key, value, lengths, n, options, computed)
     if computed is not out:
         out[...] = computed
 
@@ -693,14 +561,14 @@ def cached_attention(query, cache, key=None, value=None, *, lengths=None, scale=
     if out is None:
         out = np.empty(result_shape, result_dtype)
     else:
-        check_out(out, result_shape, result_dtype, (query, key, value, cache._key, cache._value))
+        check_out(out, result_shape, result_dtype, (query, key, value) + cache.storage()[:2])
 
     if key is not None:
         cache.append(key, value, None if lengths is None else n)
-    elif (n > cache._lengths).any():
+    elif (n > cache.lengths).any():
         raise ValueError(
             f"lengths {n.tolist()} (query tokens per sequence) exceed the cache's lengths "
-            f"{cache._lengths.tolist()}: the query tokens must be the newest tokens in the cache "
+            f"{cache.lengths.tolist()}: the query tokens must be the newest tokens in the cache "
             f"(pass key and value to append them)"
         )
     _attend_cache(q, cache, n, scale, window_left, window_right, out)
@@ -876,7 +744,7 @@ def multi_head_attention_step(
         # heads into rows without a copy.
         _core.linear(kernel_layout(merged), kernel_layout(w_out), None if b_out is None else kernel_layout(b_out), result)
     except BaseException:
-        cache._rewind(held)
+        cache.storage().lengths[:] = held
         raise
     result = result.reshape(out_shape)
     return result if result_dtype == dtype else result.astype(result_dtype)

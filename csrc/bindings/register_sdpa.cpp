@@ -1,0 +1,292 @@
+// The binding of scaled dot-product attention and of attention over a KV
+// cache.
+//
+// _core.sdpa takes the caller's arguments as they are. Arrays already in the
+// canonical form -- three 4-D ndarrays of one float dtype whose batch and
+// head dims agree, rows contiguous, no mask, no out -- go to the core
+// directly; anything else is first handed to attnx._canonical.sdpa_call,
+// where Python applies torch's rules (conversions, ranks, broadcasting, GQA,
+// masks, out=) and explains what it cannot accept. Either way the core runs
+// once, through run_sdpa.
+//
+// Releasing the GIL is safe: the core touches no Python object, and the
+// py::array arguments keep every buffer alive until the call returns.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attnx/attention.h"
+#include "bindings/array_views.h"
+#include "bindings/sdpa_call.h"
+
+namespace attnx::bindings {
+
+namespace {
+
+// A mask broadcast to (lead..., H, L, S), any number of lead dims, as a
+// (B, H, L, S) view: one lead dim is a plain stride; several get a table of
+// batch offsets computed from the array's own strides, so a broadcast mask
+// is read in place however its lead dims are laid out.
+template <typename T>
+StridedView<const T, 4> batched_mask_view(const py::array& mask, const char* name,
+                                          std::vector<int64_t>& offsets) {
+  check_array<T>(mask, name, static_cast<int>(mask.ndim()), false, false);
+  const int lead = static_cast<int>(mask.ndim()) - 3;
+  if (lead < 1) throw py::value_error(std::string(name) + ": expected at least 4 dimensions");
+  StridedView<const T, 4> v;
+  v.data = static_cast<const T*>(mask.data());
+  for (int d = 0; d < 3; ++d) {
+    v.shape[1 + d] = mask.shape(lead + d);
+    v.stride[1 + d] = mask.strides(lead + d) / static_cast<py::ssize_t>(sizeof(T));
+  }
+  v.shape[0] = 1;
+  for (int d = 0; d < lead; ++d) v.shape[0] *= mask.shape(d);
+  if (lead == 1) {
+    v.stride[0] = mask.strides(0) / static_cast<py::ssize_t>(sizeof(T));
+    return v;
+  }
+  offsets.assign(size_t(v.shape[0]), 0);
+  // Row-major over the lead dims: offset(b) = sum_d index_d(b) * stride_d.
+  for (int64_t b = 0; b < v.shape[0]; ++b) {
+    int64_t rest = b, offset = 0;
+    for (int d = lead - 1; d >= 0; --d) {
+      offset += (rest % mask.shape(d)) * (mask.strides(d) / static_cast<py::ssize_t>(sizeof(T)));
+      rest /= mask.shape(d);
+    }
+    offsets[size_t(b)] = offset;
+  }
+  v.batch_offsets = offsets.data();
+  return v;
+}
+
+// Keys or values: an array of T, or, for a float32 call, of float16 or
+// bfloat16 (read in place and widened as they are loaded).
+template <typename T>
+StoredView<T> stored_view(const py::array& a, const char* name) {
+  const py::dtype dt = a.dtype();
+  if constexpr (std::is_same_v<T, float>) {
+    const bool float16 = dt.kind() == 'f' && dt.itemsize() == 2;
+    // ml_dtypes' bfloat16 is a 2-byte type of its own, known by its name.
+    const bool bfloat16 = dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16";
+    if ((float16 || bfloat16) && dt.attr("isnative").template cast<bool>()) {
+      check_layout(a, name, 4, true, false, 2);
+      StoredView<T> v;
+      v.storage = float16 ? Storage::kFloat16 : Storage::kBFloat16;
+      v.bits.data = static_cast<const uint16_t*>(a.data());
+      for (int d = 0; d < 4; ++d) {
+        v.bits.shape[d] = a.shape(d);
+        v.bits.stride[d] = a.shape(d) > 1 ? a.strides(d) / 2 : 0;
+      }
+      return v;
+    }
+  }
+  return StoredView<T>::of(const_view<T, 4>(a, name));
+}
+
+// Per-batch lengths: a C-contiguous int64 vector of B values in [0, limit].
+const int64_t* lengths_data(const OptArray& a, const char* name, int64_t B, int64_t limit) {
+  if (!a) return nullptr;
+  const int64_t* data = vector_data<int64_t>(a, name, B);
+  for (int64_t b = 0; b < B; ++b)
+    if (data[b] < 0 || data[b] > limit)
+      throw py::value_error(std::string(name) + ": " + std::to_string(data[b]) + " at index " +
+                            std::to_string(b) + " is outside [0, " + std::to_string(limit) + "]");
+  return data;
+}
+
+// A window extent: < 0 unbounded; extents past `limit` mean the same as it.
+int64_t window_extent(int64_t w, int64_t limit) { return w < 0 ? -1 : std::min(w, limit); }
+
+template <typename T>
+void run_sdpa_typed(const py::array& query, const py::array& key, const py::array& value,
+                    const OptArray& attn_mask, const SdpaOptions& o, py::array& out,
+                    const SdpaExtras& extras) {
+  SdpaArgs<T> a;
+  a.query = const_view<T, 4>(query, "query");
+  a.key = stored_view<T>(key, "key");
+  a.value = stored_view<T>(value, "value");
+  const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
+  const int64_t E = a.query.shape[3], Hk = a.key.shape(1), S = a.key.shape(2);
+  const int64_t Ev = a.value.shape(3);
+  const auto require = [](const StoredView<T>& v, const char* name,
+                          std::initializer_list<int64_t> expected) {
+    int d = 0;
+    for (int64_t extent : expected) {
+      if (v.shape(d) != extent)
+        throw py::value_error(std::string(name) + ": dimension " + std::to_string(d) + " is " +
+                              std::to_string(v.shape(d)) + ", expected " +
+                              std::to_string(extent));
+      ++d;
+    }
+  };
+  require(a.key, "key", {B, Hk, S, E});
+  require(a.value, "value", {B, Hk, S, Ev});
+  if (Hq > 0 && (Hk == 0 || Hq % Hk != 0))
+    throw py::value_error("query heads (" + std::to_string(Hq) +
+                          ") must be a multiple of key heads (" + std::to_string(Hk) + ")");
+  std::vector<int64_t> mask_offsets;
+  if (attn_mask) {
+    a.masks[0] = batched_mask_view<T>(*attn_mask, "attn_mask", mask_offsets);
+    require_shape(a.masks[0], "attn_mask", {B, Hq, L, S});
+  }
+  const double scale =
+      std::isnan(o.scale) ? (E > 0 ? 1.0 / std::sqrt(static_cast<double>(E)) : 1.0) : o.scale;
+  if (!std::isfinite(scale)) throw py::value_error("scale must be finite");
+  a.mask_cols = S;
+  a.range.causal = o.causal;
+  a.range.bottom_right = o.bottom_right;
+  a.range.window_left = window_extent(o.window_left, S + L);
+  a.range.window_right = window_extent(o.window_right, S + L);
+  a.range.key_lengths = lengths_data(extras.key_lengths, "key_lengths", B, S);
+  a.range.query_lengths = lengths_data(extras.query_lengths, "query_lengths", B, L);
+  a.scale = static_cast<T>(scale);
+  a.out = mutable_view<T, 4>(out, "out");
+  require_shape(a.out, "out", {B, Hq, L, Ev});
+  OptArray weights = extras.weights;
+  a.weights = contiguous_output<T>(weights, "weights", {B, Hq, L, S});
+  py::gil_scoped_release release;
+  sdpa_forward(a);
+}
+
+// Equal, not identical: an unpickled array has an equal but distinct dtype object.
+bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(dt); }
+
+// Whether q, k and v are already what attnx._canonical.sdpa_call would hand
+// the core unchanged: 4-D ndarrays of dtype T, aligned, rows contiguous,
+// batch and head dims agreeing (key heads dividing the query's with
+// enable_gqa), not empty.
+template <typename T>
+bool canonical_inputs(const py::array& q, const py::array& k, const py::array& v,
+                      bool enable_gqa) {
+  const py::ssize_t item = sizeof(T);
+  for (const py::array* a : {&q, &k, &v}) {
+    if (a->ndim() != 4 || !is_dtype(*a, py::dtype::of<T>())) return false;
+    if (a->size() == 0 || a->strides(3) != item || a->strides(0) % item ||
+        a->strides(1) % item || a->strides(2) % item ||
+        reinterpret_cast<std::uintptr_t>(a->data()) % alignof(T))
+      return false;
+  }
+  const py::ssize_t Hq = q.shape(1), Hk = k.shape(1);
+  const bool heads_match = Hk == Hq || (enable_gqa && Hq % Hk == 0);
+  return k.shape(0) == q.shape(0) && heads_match && k.shape(3) == q.shape(3) &&
+         v.shape(0) == q.shape(0) && v.shape(1) == Hk && v.shape(2) == k.shape(2);
+}
+
+template <typename T>
+py::object sdpa_canonical(const py::array& q, const py::array& k, const py::array& v,
+                          const SdpaOptions& o) {
+  py::array out = py::array_t<T>({q.shape(0), q.shape(1), q.shape(2), v.shape(3)});
+  run_sdpa_typed<T>(q, k, v, std::nullopt, o, out, {});
+  return std::move(out);
+}
+
+// attnx._canonical.sdpa_call, imported on first use (numpy and attnx stay
+// imported while this module is).
+const py::object& python_sdpa_call() {
+  static const py::object* call =
+      new py::object(py::module_::import("attnx._canonical").attr("sdpa_call"));
+  return *call;
+}
+
+py::object sdpa(const py::handle& query, const py::handle& key, const py::handle& value,
+                const py::handle& attn_mask, const py::object& options, const py::handle& out) {
+  const SdpaOptions& o = options.cast<const SdpaOptions&>();
+  if (attn_mask.is_none() && out.is_none() && py::isinstance<py::array>(query) &&
+      py::isinstance<py::array>(key) && py::isinstance<py::array>(value)) {
+    const auto q = py::reinterpret_borrow<py::array>(query);
+    const auto k = py::reinterpret_borrow<py::array>(key);
+    const auto v = py::reinterpret_borrow<py::array>(value);
+    if (canonical_inputs<float>(q, k, v, o.enable_gqa)) return sdpa_canonical<float>(q, k, v, o);
+    if (canonical_inputs<double>(q, k, v, o.enable_gqa))
+      return sdpa_canonical<double>(q, k, v, o);
+  }
+  // (q, k, v, mask or None, target or None, computed, result): the core
+  // writes `target`, a (B, H, L, Ev) view of `computed`; a half-precision
+  // result is then rounded from it.
+  const py::tuple call = python_sdpa_call()(query, key, value, attn_mask, options, out);
+  py::object result = call[6];
+  if (!call[4].is_none()) {
+    py::array target = call[4].cast<py::array>();
+    const OptArray mask =
+        call[3].is_none() ? OptArray() : OptArray(call[3].cast<py::array>());
+    run_sdpa(call[0].cast<py::array>(), call[1].cast<py::array>(), call[2].cast<py::array>(),
+             mask, o, target);
+    const py::object computed = call[5];
+    if (!computed.is(result)) result[py::ellipsis()] = computed;
+  }
+  return result;
+}
+
+}  // namespace
+
+void run_sdpa(const py::array& query, const py::array& key, const py::array& value,
+              const OptArray& attn_mask, const SdpaOptions& options, py::array& out,
+              const SdpaExtras& extras) {
+  if (is_dtype(query, py::dtype::of<float>()))
+    run_sdpa_typed<float>(query, key, value, attn_mask, options, out, extras);
+  else if (is_dtype(query, py::dtype::of<double>()))
+    run_sdpa_typed<double>(query, key, value, attn_mask, options, out, extras);
+  else
+    throw py::type_error("query: expected float32 or float64");
+}
+
+void register_sdpa_testing(py::module_& testing) {
+  testing.def(
+      "sdpa",
+      [](const py::array& query, const py::array& key, const py::array& value,
+         const OptArray& attn_mask, const py::object& options, py::array& out,
+         const OptArray& weights) {
+        run_sdpa(query, key, value, attn_mask, options.cast<const SdpaOptions&>(), out,
+                 SdpaExtras{std::nullopt, std::nullopt, weights});
+      },
+      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
+      py::arg("options"), py::arg("out"), py::arg("weights"),
+      "The core on canonical (B, H, L, E) arrays, with the probabilities written to\n"
+      "`weights` (B, H, L, S) where given: the views' own checks, and the weights paths.");
+}
+
+void register_sdpa(py::module_& m) {
+  py::class_<SdpaOptions>(m, "SdpaOptions",
+                          "The checked scalar arguments of an attention call.")
+      .def(py::init([](bool causal, bool bottom_right, double scale, int64_t window_left,
+                       int64_t window_right, bool enable_gqa) {
+             return SdpaOptions{causal, bottom_right, scale, window_left, window_right,
+                                enable_gqa};
+           }),
+           py::arg("causal") = false, py::arg("bottom_right") = false,
+           py::arg("scale") = std::numeric_limits<double>::quiet_NaN(),
+           py::arg("window_left") = -1, py::arg("window_right") = -1,
+           py::arg("enable_gqa") = false)
+      .def_readonly("causal", &SdpaOptions::causal)
+      .def_readonly("bottom_right", &SdpaOptions::bottom_right)
+      .def_readonly("scale", &SdpaOptions::scale)
+      .def_readonly("window_left", &SdpaOptions::window_left)
+      .def_readonly("window_right", &SdpaOptions::window_right)
+      .def_readonly("enable_gqa", &SdpaOptions::enable_gqa);
+  m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
+        py::arg("options"), py::arg("out"),
+        "Scaled dot-product attention: the arguments as the caller gave them, the options\n"
+        "checked. Canonical inputs run as they are; others go through attnx._canonical.");
+  m.def(
+      "cached_attention",
+      [](const py::array& query, const py::array& key, const py::array& value,
+         const py::array& key_lengths, const py::array& query_lengths,
+         const py::object& options, py::array& out) {
+        run_sdpa(query, key, value, std::nullopt, options.cast<const SdpaOptions&>(), out,
+                 SdpaExtras{key_lengths, query_lengths, std::nullopt});
+      },
+      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("key_lengths"),
+      py::arg("query_lengths"), py::arg("options"), py::arg("out"),
+      "Attention of canonical (B, Hq, T, E) queries over a cache's (B, Hk, S, E) keys and\n"
+      "values: row t of batch b is the newest but (query_lengths[b] - 1 - t) token of its\n"
+      "sequence, which attends keys j < key_lengths[b] (bottom-right causal with the options'\n"
+      "window); rows t >= query_lengths[b] are zeros.");
+}
+
+}  // namespace attnx::bindings
