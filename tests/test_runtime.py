@@ -210,6 +210,41 @@ def test_attnx_isa_bogus_error_type_in_python():
     assert proc.stdout.startswith("VALUEERROR") and "ATTNX_ISA" in proc.stdout
 
 
+# The extension module chooses its kernel by itself, whoever loads it.
+CORE_ISA_SCRIPT = "from attnx import _core; print(_core.active_isa())"
+
+# The extension file loaded on its own: the attnx package's __init__ never runs.
+CORE_ALONE_SCRIPT = """
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("attnx._core", {path!r})
+    core = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(core)
+    except ImportError as e:
+        print("ImportError", type(e.__cause__).__name__, e.__cause__)
+    else:
+        print(core.active_isa())
+    assert "attnx" not in sys.modules
+"""
+
+
+@pytest.mark.parametrize("forced", [None, "scalar"])
+def test_extension_runs_the_best_or_the_forced_kernel(forced):
+    best = usable_isas()[-1]  # the CPU's best kernel that this build has
+    proc = run_python(CORE_ISA_SCRIPT, ATTNX_ISA=forced)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (forced or best)
+    proc = run_python(CORE_ALONE_SCRIPT.format(path=_core.__file__), ATTNX_ISA=forced)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (forced or best)
+
+
+def test_extension_alone_refuses_a_bad_attnx_isa():
+    proc = run_python(CORE_ALONE_SCRIPT.format(path=_core.__file__), ATTNX_ISA="bogus")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ImportError ValueError ATTNX_ISA='bogus' is not a known kernel")
+
+
 ISA_BATTERY = """
     import numpy as np, attnx
     from attnx import reference as ref

@@ -2,6 +2,10 @@
 // area registers its functions from its own file.
 #include <pybind11/pybind11.h>
 
+#include <stdexcept>
+
+#include "attnx/runtime.h"
+
 namespace py = pybind11;
 
 namespace attnx::bindings {
@@ -15,6 +19,15 @@ void register_sdpa_testing(py::module_& testing);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "attnx C++ core (private: use the attnx package)";
+  // The core chooses its kernel on first use; using it here makes a bad
+  // ATTNX_ISA fail the import (an ImportError whose cause is the ValueError
+  // saying why) rather than a later call.
+  try {
+    attnx::active_isa();
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    throw py::error_already_set();
+  }
   attnx::bindings::register_attention(m);
   attnx::bindings::register_conversions(m);
   attnx::bindings::register_mha_plan(m);

@@ -15,16 +15,6 @@ namespace py = pybind11;
 namespace attnx::bindings {
 
 void register_runtime(py::module_& m) {
-  m.def(
-      "select_isa",
-      [](const std::string& requested) {
-        try {
-          select_isa(requested);
-        } catch (const std::invalid_argument& e) {
-          throw py::value_error(e.what());
-        }
-      },
-      py::arg("requested"), "Choose the kernel ('' = the best this CPU supports).");
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
   m.def("cpu_isa", [] { return std::string(isa_name(detect_cpu_isa())); });
   m.def("compiled_isas", [] {

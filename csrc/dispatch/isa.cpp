@@ -1,6 +1,10 @@
 // Kernel dispatch: find what the CPU supports once, honour ATTNX_ISA, and
-// hand the drivers the table of the chosen instruction set.
-#include <atomic>
+// hand the drivers the table of the chosen instruction set. The choice is
+// made by the core itself, on first use, so that every user of it (the
+// Python package, its extension module loaded alone, a C++ program) runs the
+// same kernel.
+#include <cctype>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -14,8 +18,6 @@
 
 namespace attnx {
 namespace {
-
-std::atomic<Isa> g_active_isa{Isa::kScalar};
 
 // The highest instruction set with kernels compiled into this build: the
 // x86 kernels are built wherever the compiler targets x86-64.
@@ -31,6 +33,20 @@ Isa parse_isa(const std::string& name) {
   if (name == "avx512") return Isa::kAvx512;
   throw std::invalid_argument("ATTNX_ISA='" + name +
                               "' is not a known kernel; use scalar, avx2 or avx512");
+}
+
+// ATTNX_ISA without surrounding white space, in lower case ("" where unset):
+// " Scalar " asks for the scalar kernel.
+std::string requested_isa() {
+  const char* value = std::getenv("ATTNX_ISA");
+  std::string name = value != nullptr ? value : "";
+  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
+  size_t begin = 0, end = name.size();
+  while (begin < end && space(name[begin])) ++begin;
+  while (end > begin && space(name[end - 1])) --end;
+  name = name.substr(begin, end - begin);
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
 }
 
 }  // namespace
@@ -74,7 +90,11 @@ Isa detect_cpu_isa() {
 #endif
 }
 
-void select_isa(const std::string& requested) {
+namespace {
+
+// The kernel that an ATTNX_ISA value selects ("" = the best that both the CPU
+// and this build have).
+Isa choose_isa(const std::string& requested) {
   const Isa cpu = detect_cpu_isa();
   Isa wanted = cpu;
   if (!requested.empty()) {
@@ -90,12 +110,21 @@ void select_isa(const std::string& requested) {
                                   isa_name(kBestCompiledIsa) +
                                   "': built for another CPU, or with ATTNX_X86_KERNELS=OFF)");
   }
-  g_active_isa = wanted < kBestCompiledIsa ? wanted : kBestCompiledIsa;
+  return wanted < kBestCompiledIsa ? wanted : kBestCompiledIsa;
 }
+
+}  // namespace
 
 Isa best_compiled_isa() { return kBestCompiledIsa; }
 
-Isa active_isa() { return g_active_isa.load(); }
+Isa active_isa() {
+  // Chosen on the first call, by one thread while any others wait (the
+  // initialisation of a function-local static). An initialisation that throws
+  // leaves it unset, so that a bad ATTNX_ISA throws at every call rather than
+  // letting some other kernel run.
+  static const Isa chosen = choose_isa(requested_isa());
+  return chosen;
+}
 
 const KernelTable<float>& active_kernels(float) {
   switch (active_isa()) {

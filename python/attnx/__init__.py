@@ -22,14 +22,18 @@ reference
 
 try:
     from . import _core
-except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
+except ImportError as exc:
+    # The core chooses its SIMD kernel as it loads (from CPUID and ATTNX_ISA), and fails to
+    # load where ATTNX_ISA asks for a kernel it cannot run: its ValueError says why.
+    if isinstance(exc.__cause__, ValueError):
+        raise exc.__cause__ from None
+    raise ImportError(  # pragma: no cover - depends on the installation
         "attnx's compiled core (attnx._core) could not be imported. Did you build it? "
         "Install attnx with `pip install .` from a checkout (a C++17 compiler is needed), "
         "and do not run Python from inside the source tree's python/ folder."
     ) from exc
 
-from ._runtime import _select_isa_from_environment, get_num_threads, set_num_threads, show_config
+from ._runtime import get_num_threads, set_num_threads, show_config
 from .cache import KVCache
 from .functional import (
     cached_attention,
@@ -38,8 +42,6 @@ from .functional import (
     scaled_dot_product_attention,
 )
 from .modules import MultiheadAttention
-
-_select_isa_from_environment()
 
 __version__ = _core.__version__
 

@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from . import _core
 from ._arrays import as_positive_int
-
-
-def _select_isa_from_environment() -> None:
-    # Chosen once, at import: ATTNX_ISA forces a kernel lower than the CPU's
-    # best, and a name the CPU cannot run is an error rather than a crash.
-    _core.select_isa(os.environ.get("ATTNX_ISA", "").strip().lower())
 
 
 def set_num_threads(n: int) -> None:

@@ -18,13 +18,12 @@ Isa detect_cpu_isa();
 // compiler targets x86-64, unless ATTNX_X86_KERNELS is OFF).
 Isa best_compiled_isa();
 
-// The kernel in use. Chosen once, from CPUID and the ATTNX_ISA variable.
+// The kernel in use, chosen on the first call (thread-safe) from CPUID and
+// the ATTNX_ISA variable: its name, in any case and with spaces around it,
+// forces a kernel; unset or empty, the best that both the CPU and this build
+// have runs. Throws std::invalid_argument, at every call, where ATTNX_ISA
+// names no kernel, one the CPU lacks, or one this build has no kernel for.
 Isa active_isa();
-
-// Chooses the kernel from an ATTNX_ISA value ("" = the best that both the
-// CPU and this build have). Throws std::invalid_argument for an unknown name,
-// one the CPU lacks, or one this build has no kernel for.
-void select_isa(const std::string& requested);
 
 int get_num_threads();
 void set_num_threads(int n);  // n >= 1
