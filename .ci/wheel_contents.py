@@ -2,8 +2,9 @@
 
     python .ci/wheel_contents.py SDIST RAW_WHEEL REPAIRED_WHEEL
 
-The repaired wheel must hold one extension module, the typing files and the OpenMP runtime;
-the wheel as built (before auditwheel) must stay under 1 MiB.
+The repaired wheel must hold one extension module, the typing files, the module of hooks the
+tests import (attnx/_testing.py) and the OpenMP runtime; the wheel as built (before auditwheel)
+must stay under 1 MiB.
 """
 import os
 import sys
@@ -15,7 +16,8 @@ with zipfile.ZipFile(repaired) as z:
 names = [i.filename for i in infos]
 extensions = [n for n in names if n.startswith("attnx/_core.") and n.endswith((".so", ".pyd"))]
 assert len(extensions) == 1, f"expected one extension module, found {extensions}"
-for needed in ("attnx/py.typed", "attnx/_core.pyi", "attnx/__init__.py", "attnx/reference.py"):
+for needed in ("attnx/py.typed", "attnx/_core.pyi", "attnx/__init__.py", "attnx/reference.py",
+               "attnx/_testing.py"):
     assert needed in names, f"{needed} is not in the wheel"
 bundled = [i for i in infos if i.filename.startswith("attnx.libs/") and not i.is_dir()]
 assert any("gomp" in i.filename or "omp" in i.filename for i in bundled), (

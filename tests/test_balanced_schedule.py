@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx import _core
+from attnx import _core, _testing
 from conftest import assert_identical, num_threads
 
 HAVE_OPENMP = _core.have_openmp()
@@ -24,13 +24,13 @@ HAVE_OPENMP = _core.have_openmp()
 @pytest.mark.parametrize("threads", [1, 2, 3, 8, 33])
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 64, 1000])
 def test_every_iteration_runs_exactly_once(n, threads):
-    runs, ran_on = _core.trace_balanced_loop(n, threads)
+    runs, ran_on = _testing.trace_balanced_loop(n, threads)
     assert runs == [1] * n
     assert all(0 <= t < threads for t in ran_on)
 
 
 def test_every_iteration_runs_once_with_a_slow_thread():
-    runs, ran_on = _core.trace_balanced_loop(200, 4, microseconds=50, slow_thread=2,
+    runs, ran_on = _testing.trace_balanced_loop(200, 4, microseconds=50, slow_thread=2,
                                              slow_microseconds=2000)
     assert runs == [1] * 200
     assert set(ran_on) <= {0, 1, 2, 3}
@@ -41,7 +41,7 @@ def test_a_slowed_threads_share_is_taken_over():
     # Thread 1 takes 10 ms an iteration, thread 0 1 ms: by the time thread 0 has run its own
     # 32 iterations, thread 1 has run a few of its 32, and thread 0 takes over the rest. A
     # static schedule would leave thread 0 exactly its own 32.
-    runs, ran_on = _core.trace_balanced_loop(64, 2, microseconds=1000, slow_thread=1,
+    runs, ran_on = _testing.trace_balanced_loop(64, 2, microseconds=1000, slow_thread=1,
                                              slow_microseconds=10000)
     assert runs == [1] * 64
     assert ran_on[:32] == [0] * 32
@@ -53,7 +53,7 @@ def test_each_thread_runs_its_own_share():
     # Equal iterations: each thread runs its share from its front (what it reads stays in its
     # core's cache); only the ends, if any, move. Thread 1 would have to start more than 64 ms
     # late to lose most of its share.
-    runs, ran_on = _core.trace_balanced_loop(64, 2, microseconds=2000)
+    runs, ran_on = _testing.trace_balanced_loop(64, 2, microseconds=2000)
     assert runs == [1] * 64
     assert ran_on[0] == 0
     assert collections.Counter(ran_on[:32])[0] >= 24
@@ -70,7 +70,7 @@ def test_each_thread_runs_its_own_share():
 )
 def test_trace_rejects_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):
-        _core.trace_balanced_loop(*args)
+        _testing.trace_balanced_loop(*args)
 
 
 def _calls(rng):

@@ -1,6 +1,6 @@
 """Widening of float16 / bfloat16 storage to float32, under every SIMD kernel.
 
-``_core.widen_16bit`` (private) runs the active float kernel table's ``widen_float16`` /
+``_testing.widen_16bit`` (private) runs the active float kernel table's ``widen_float16`` /
 ``widen_bfloat16``. The kernel is chosen once, at import, from ATTNX_ISA, so each kernel the
 CPU supports is checked in one subprocess (as in test_kernels.py): every one of the 65,536
 bit patterns of both formats, lengths 0..70 from every start offset modulo 16 elements (so
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx import _core
+from attnx import _testing
 from conftest import usable_isas
 
 FORMATS = ["float16", "bfloat16"]
@@ -62,7 +62,7 @@ SWEEP = textwrap.dedent(
     """
     import ctypes, hashlib, json, mmap, sys
     import numpy as np
-    from attnx import _core
+    from attnx import _core, _testing
     sys.path.insert(0, sys.argv[1])
     from test_half_kernels import FORMATS, expected_table, mismatch
 
@@ -71,13 +71,13 @@ SWEEP = textwrap.dedent(
     digests = {}
 
     def check(name, src, fmt):
-        problem = mismatch(_core.widen_16bit(src, fmt), want[fmt][src.astype(np.intp)])
+        problem = mismatch(_testing.widen_16bit(src, fmt), want[fmt][src.astype(np.intp)])
         if problem:
             failures.append(f"{name} {fmt}: {problem}")
 
     every = np.arange(65536, dtype=np.uint16)
     for fmt in FORMATS:
-        got = _core.widen_16bit(every, fmt)
+        got = _testing.widen_16bit(every, fmt)
         problem = mismatch(got, want[fmt])
         if problem:
             failures.append(f"all patterns {fmt}: {problem}")
@@ -173,7 +173,7 @@ def test_any_layout_of_the_source(layout, fmt):
         src = base[7:8]
     before = src.copy()
     want = expected_table()[fmt][np.asarray(src, dtype=np.uint16).astype(np.intp)]
-    got = _core.widen_16bit(src, fmt)
+    got = _testing.widen_16bit(src, fmt)
     assert mismatch(got, want) is None, mismatch(got, want)
     assert got.flags.c_contiguous and not np.shares_memory(got, src)
     np.testing.assert_array_equal(src, before)
@@ -182,10 +182,10 @@ def test_any_layout_of_the_source(layout, fmt):
 def test_bad_arguments():
     u = np.zeros(4, dtype=np.uint16)
     with pytest.raises(ValueError, match="format"):
-        _core.widen_16bit(u, "float8")
+        _testing.widen_16bit(u, "float8")
     with pytest.raises(TypeError, match="uint16"):
-        _core.widen_16bit(np.zeros(4, dtype=np.int16), "float16")
+        _testing.widen_16bit(np.zeros(4, dtype=np.int16), "float16")
     with pytest.raises(TypeError, match="uint16"):
-        _core.widen_16bit(np.zeros(4, dtype=np.float16), "float16")
+        _testing.widen_16bit(np.zeros(4, dtype=np.float16), "float16")
     with pytest.raises(ValueError, match="1-D"):
-        _core.widen_16bit(np.zeros((2, 2), dtype=np.uint16), "bfloat16")
+        _testing.widen_16bit(np.zeros((2, 2), dtype=np.uint16), "bfloat16")

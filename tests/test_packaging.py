@@ -13,6 +13,7 @@ import pydoc
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -66,11 +67,18 @@ def _split_top_level(text: str) -> list:
     return parts
 
 
-def _stub_classes() -> dict:
-    """{name: {method name: ast.FunctionDef}} of the stub's top-level classes."""
+# The extension's submodules: the stub describes each by a class of static methods, the type
+# of the module's attribute (``_testing: _TestingModule``).
+SUBMODULE_STUBS = {"_testing": "_TestingModule"}
+
+
+def _stub_classes(submodules: bool = False) -> dict:
+    """{name: {method name: ast.FunctionDef}} of the stub's top-level classes: those of the
+    extension's classes, or with ``submodules`` those that describe its submodules."""
     tree = ast.parse((PACKAGE / "_core.pyi").read_text())
     return {node.name: {item.name: item for item in node.body if isinstance(item, ast.FunctionDef)}
-            for node in tree.body if isinstance(node, ast.ClassDef)}
+            for node in tree.body if isinstance(node, ast.ClassDef)
+            and (node.name in SUBMODULE_STUBS.values()) == submodules}
 
 
 def _extension_signature(function) -> tuple:
@@ -87,10 +95,10 @@ def _extension_signature(function) -> tuple:
     return names, keyword_only, match.group(2).strip()
 
 
-def _extension_functions() -> dict:
-    return {name: getattr(core, name) for name in dir(core)
-            if not name.startswith("__") and callable(getattr(core, name))
-            and not isinstance(getattr(core, name), type)}
+def _extension_functions(module=core) -> dict:
+    return {name: getattr(module, name) for name in dir(module)
+            if not name.startswith("__") and callable(getattr(module, name))
+            and not isinstance(getattr(module, name), type)}
 
 
 def _extension_classes() -> dict:
@@ -148,8 +156,42 @@ def test_stub_signature_matches_the_extension(name):
 
 def test_stub_attributes_exist():
     attributes = _stub_attributes()
-    assert attributes == {"__version__": "str"}
+    assert attributes == {"__version__": "str", **SUBMODULE_STUBS}
     assert isinstance(core.__version__, str) and core.__version__ == attnx.__version__
+
+
+def test_stub_has_exactly_the_extensions_submodules():
+    submodules = [name for name in dir(core) if isinstance(getattr(core, name), types.ModuleType)]
+    assert sorted(submodules) == sorted(SUBMODULE_STUBS)
+    stubs = _stub_classes(submodules=True)
+    for name, stub_class in SUBMODULE_STUBS.items():
+        module = getattr(core, name)
+        assert module.__name__ == f"attnx._core.{name}"
+        assert sorted(stubs[stub_class]) == sorted(_extension_functions(module)), name
+        assert all(any(ast.unparse(d) == "staticmethod" for d in f.decorator_list)
+                   for f in stubs[stub_class].values()), name
+
+
+@pytest.mark.parametrize(
+    "submodule, name",
+    [(sub, name) for sub in sorted(SUBMODULE_STUBS)
+     for name in sorted(_extension_functions(getattr(core, sub)))],
+)
+def test_stub_submodule_signature_matches_the_extension(submodule, name):
+    stub = _stub_classes(submodules=True)[SUBMODULE_STUBS[submodule]][name]
+    _check_stub_signature(stub, getattr(getattr(core, submodule), name))
+
+
+def test_testing_hooks_are_apart_and_reexported():
+    # The hooks only the tests use live in attnx._core._testing, not among the extension's
+    # functions, and attnx._testing re-exports each of them.
+    from attnx import _testing
+
+    hooks = _extension_functions(core._testing)
+    assert hooks and not set(hooks) & set(_extension_functions())
+    assert sorted(_testing.__all__) == sorted(hooks)
+    for name, hook in hooks.items():
+        assert getattr(_testing, name) is hook, name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,11 +10,11 @@ namespace py = pybind11;
 
 namespace attnx::bindings {
 void register_attention(py::module_& m);
-void register_conversions(py::module_& m);
 void register_mha_plan(py::module_& m);
 void register_runtime(py::module_& m);
 void register_sdpa(py::module_& m);
 void register_sdpa_testing(py::module_& testing);
+void register_testing(py::module_& testing);
 }  // namespace attnx::bindings
 
 PYBIND11_MODULE(_core, m) {
@@ -29,11 +29,11 @@ PYBIND11_MODULE(_core, m) {
     throw py::error_already_set();
   }
   attnx::bindings::register_attention(m);
-  attnx::bindings::register_conversions(m);
   attnx::bindings::register_mha_plan(m);
   attnx::bindings::register_runtime(m);
   attnx::bindings::register_sdpa(m);
-  // Hooks for the tests only: attnx._testing re-exports them.
-  py::module_ testing = m.def_submodule("_testing", "test hooks (private)");
+  py::module_ testing = m.def_submodule(
+      "_testing", "Hooks for attnx's own tests (private, no API; see attnx._testing).");
+  attnx::bindings::register_testing(testing);
   attnx::bindings::register_sdpa_testing(testing);
 }

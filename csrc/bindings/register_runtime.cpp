@@ -1,14 +1,9 @@
 // Runtime configuration: kernel choice, threads, build facts.
 #include <pybind11/pybind11.h>
 
-#include <pybind11/stl.h>
-
-#include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "attnx/runtime.h"
-#include "dispatch/balanced_shares.h"
 
 namespace py = pybind11;
 
@@ -48,34 +43,6 @@ void register_runtime(py::module_& m) {
       py::arg("threads"), py::arg("seconds") = 0.25,
       "Float32 multiply-add GFLOP/s of the active kernel on `threads` threads (register-only "
       "chains, about `seconds` each): the arithmetic peak benchmarks compare against.");
-  m.def(
-      "trace_balanced_loop",
-      [](int64_t n, int threads, int64_t microseconds, int slow_thread,
-         int64_t slow_microseconds) {
-        const auto check = [](const char* name, int64_t value, int64_t most) {
-          if (value < 0 || value > most)
-            throw py::value_error(std::string("trace_balanced_loop: ") + name +
-                                  " must be in [0, " + std::to_string(most) + "], got " +
-                                  std::to_string(value));
-        };
-        check("n", n, 1000000);
-        check("threads", threads, 1024);
-        if (threads < 1) throw py::value_error("trace_balanced_loop: threads must be >= 1, got 0");
-        check("microseconds", microseconds, 100000);
-        check("slow_microseconds", slow_microseconds, 100000);
-        std::vector<int32_t> runs, ran_on;
-        {
-          py::gil_scoped_release release;
-          runs = trace_balanced_loop(n, threads, microseconds, slow_thread, slow_microseconds,
-                                     ran_on);
-        }
-        return py::make_tuple(runs, ran_on);
-      },
-      py::arg("n"), py::arg("threads"), py::arg("microseconds") = 0, py::arg("slow_thread") = -1,
-      py::arg("slow_microseconds") = 0,
-      "For the tests: a balanced parallel loop of n iterations on `threads` threads, each "
-      "sleeping `microseconds` (`slow_microseconds` on thread `slow_thread`). Returns (runs, "
-      "ran_on): how many times each iteration ran, and the thread that ran it.");
   m.def("compiler", &compiler_name);
   m.attr("__version__") = ATTNX_VERSION;
 }

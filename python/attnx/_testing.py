@@ -1,7 +1,14 @@
-"""Hooks for attnx's own tests: not part of the API, and may change at any time."""
+"""Hooks into attnx's compiled core for attnx's own tests (private: no API, may change).
+
+The extension keeps them apart from its other functions, in its submodule
+``attnx._core._testing``; this module re-exports them, so that the tests write
+``from attnx import _testing``.
+"""
 
 from ._core import _testing as _hooks
 
+trace_balanced_loop = _hooks.trace_balanced_loop
+widen_16bit = _hooks.widen_16bit
 sdpa = _hooks.sdpa
 
-__all__ = ["sdpa"]
+__all__ = ["sdpa", "trace_balanced_loop", "widen_16bit"]
