@@ -4,7 +4,7 @@
 ``scaled_dot_product_attention``, ``multi_head_attention_forward``, ``MultiheadAttention``
 (construction, forward, ``load_state_dict``), ``set_num_threads``, ``KVCache`` with
 ``cached_attention``, ``multi_head_attention_step`` (a few decoding steps over a cache), and
-the private ``_core.sdpa`` / ``_testing.sdpa`` / ``_core.mha`` / ``_core.MhaPlan`` --
+the private ``_core.sdpa`` / ``_testing.run_sdpa`` / ``_core.mha`` / ``_core.MhaPlan`` --
 built as a valid call that is then mutated 0 to 3 times: an argument replaced by a
 malformed value (wrong rank, shape, dtype, strides, byte order, alignment, a list, a
 string, None, an object whose ``__array__`` raises, ...), or resized, or re-typed, or
@@ -828,11 +828,11 @@ def fuzz_core(p: Provider):
                                             1 / math.sqrt(safe_shape(a["query"])[3]))
                 compare(got, exp, np.asarray(a["query"]).dtype, "_core.sdpa", inputs)
             return
-        ok, _ = call("_testing.sdpa", lambda: _testing.sdpa(
+        ok, _ = call("_testing.run_sdpa", lambda: _testing.run_sdpa(
             a["query"], a["key"], a["value"], a["attn_mask"],
             _core.SdpaOptions(a["causal"], False, a["scale"], -1, -1, False), a["out"], a["weights"]))
         if not aliased:
-            check_untouched(snap, "_testing.sdpa")
+            check_untouched(snap, "_testing.run_sdpa")
         if ok and not aliased and n_mut == 0:
             exp_out, exp_w = core_sdpa_expected(a["query"], a["key"], a["value"], a["attn_mask"], a["causal"], a["scale"])
             moderate = logits_moderate(a["query"], a["key"], a["scale"])

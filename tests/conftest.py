@@ -39,12 +39,12 @@ DTYPE_IDS = ["f32", "f64"]
 
 
 def core_sdpa(query, key, value, attn_mask, causal, scale, out, weights):
-    """The core itself on canonical (B, H, L, E) arrays (``attnx._testing.sdpa``), with the
+    """The core itself on canonical (B, H, L, E) arrays (``attnx._testing.run_sdpa``), with the
     probabilities written to ``weights`` where given: the views' own checks and the weights paths."""
     from attnx import _core, _testing
 
     options = _core.SdpaOptions(causal, False, scale, -1, -1, False)
-    return _testing.sdpa(query, key, value, attn_mask, options, out, weights)
+    return _testing.run_sdpa(query, key, value, attn_mask, options, out, weights)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -697,7 +697,7 @@ def test_core_never_crashes_on_malformed_calls():
                     for mask in (None, np.zeros((2, 3, 5, 7), dt), np.zeros(qs, dt)):
                         calls += 1
                         try:
-                            _testing.sdpa(q, k, v, mask, options, out, None)
+                            _testing.run_sdpa(q, k, v, mask, options, out, None)
                             ok += 1
                         except (TypeError, ValueError):
                             pass

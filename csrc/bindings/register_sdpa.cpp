@@ -238,7 +238,7 @@ void run_sdpa(const py::array& query, const py::array& key, const py::array& val
 
 void register_sdpa_testing(py::module_& testing) {
   testing.def(
-      "sdpa",
+      "run_sdpa",
       [](const py::array& query, const py::array& key, const py::array& value,
          const OptArray& attn_mask, const py::object& options, py::array& out,
          const OptArray& weights) {

@@ -5,24 +5,40 @@ import numpy.typing as npt
 
 __version__: str
 
+class SdpaOptions:
+    def __init__(
+        self,
+        causal: bool = False,
+        bottom_right: bool = False,
+        scale: float = ...,
+        window_left: int = -1,
+        window_right: int = -1,
+        enable_gqa: bool = False,
+    ) -> None: ...
+    causal: bool
+    bottom_right: bool
+    scale: float
+    window_left: int
+    window_right: int
+    enable_gqa: bool
+
 def sdpa(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    options: SdpaOptions,
+    out: object,
+) -> npt.NDArray[np.floating]: ...
+def cached_attention(
     query: npt.NDArray[np.floating],
     key: npt.NDArray[np.floating],
     value: npt.NDArray[np.floating],
-    attn_mask: npt.NDArray[np.floating] | None,
-    causal: bool,
-    scale: float,
+    key_lengths: npt.NDArray[np.int64],
+    query_lengths: npt.NDArray[np.int64],
+    options: SdpaOptions,
     out: npt.NDArray[np.floating],
-    weights: npt.NDArray[np.floating] | None,
-    bottom_right: bool = False,
-    window_left: int = -1,
-    window_right: int = -1,
-    key_lengths: npt.NDArray[np.int64] | None = None,
-    query_lengths: npt.NDArray[np.int64] | None = None,
 ) -> None: ...
-def sdpa_plain(
-    query: object, key: object, value: object, causal: bool, enable_gqa: bool = False
-) -> npt.NDArray[np.floating] | None: ...
 def mha(
     num_heads: int,
     query: npt.NDArray[np.floating],
@@ -94,6 +110,16 @@ def compiler() -> str: ...
 
 class _TestingModule:
     """The submodule attnx._core._testing: hooks for attnx's tests (attnx._testing)."""
+    @staticmethod
+    def run_sdpa(
+        query: npt.NDArray[np.floating],
+        key: npt.NDArray[np.floating],
+        value: npt.NDArray[np.floating],
+        attn_mask: npt.NDArray[np.floating] | None,
+        options: SdpaOptions,
+        out: npt.NDArray[np.floating],
+        weights: npt.NDArray[np.floating] | None,
+    ) -> None: ...
     @staticmethod
     def widen_16bit(
         src: npt.NDArray[np.uint16], format: str

@@ -9,6 +9,6 @@ from ._core import _testing as _hooks
 
 trace_balanced_loop = _hooks.trace_balanced_loop
 widen_16bit = _hooks.widen_16bit
-sdpa = _hooks.sdpa
+run_sdpa = _hooks.run_sdpa
 
-__all__ = ["sdpa", "trace_balanced_loop", "widen_16bit"]
+__all__ = ["run_sdpa", "trace_balanced_loop", "widen_16bit"]
