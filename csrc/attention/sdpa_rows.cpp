@@ -15,9 +15,16 @@
 namespace attnx::sdpa {
 
 template <typename T>
-void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t kv_head,
-                int64_t r0, int64_t r1, int64_t j_begin, int64_t j_end, T* scratch, T* states,
-                int64_t chunks, int64_t chunk) {
+void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0, int64_t r1,
+                int64_t chunk, T* scratch) {
+  const SdpaArgs<T>& a = c.args;
+  const KernelTable<T>& kt = c.kt;
+  const int64_t chunks = c.plan.chunks, S_read = c.plan.S_read;
+  // One chunk: every key read, the output rows written. Several: this
+  // chunk's keys, its states stored.
+  const int64_t j_begin = chunks == 1 ? 0 : chunk * kKeyChunk;
+  const int64_t j_end = chunks == 1 ? S_read : std::min(S_read, j_begin + kKeyChunk);
+  T* states = chunks == 1 ? nullptr : c.states;
   const int64_t Hq = a.query.shape[1], L = a.query.shape[2], E = a.query.shape[3];
   const int64_t Ev = a.value.shape(3), group = Hq / a.key.shape(1);
   const int64_t rows = r1 - r0;
@@ -194,8 +201,10 @@ void merge_chunks(const T* states, int64_t chunks, int64_t stride, int64_t Ev, T
 }
 
 template <typename T>
-void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                       int64_t i0, int64_t i1, T* scratch) {
+void rows_with_weights(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, int64_t i1,
+                       T* scratch) {
+  const SdpaArgs<T>& a = c.args;
+  const KernelTable<T>& kt = c.kt;
   const int64_t Hq = a.query.shape[1], L = a.query.shape[2], S = a.key.shape(2);
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
   const int64_t kv_head = h / (Hq / a.key.shape(1));
@@ -234,17 +243,15 @@ void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
   }
 }
 
-template void flash_rows<float>(const SdpaArgs<float>&, const KernelTable<float>&, int64_t,
-                                int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*,
-                                int64_t, int64_t);
-template void flash_rows<double>(const SdpaArgs<double>&, const KernelTable<double>&, int64_t,
-                                int64_t, int64_t, int64_t, int64_t, int64_t, double*, double*,
-                                int64_t, int64_t);
+template void flash_rows<float>(const SdpaContext<float>&, int64_t, int64_t, int64_t, int64_t,
+                                int64_t, float*);
+template void flash_rows<double>(const SdpaContext<double>&, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, double*);
 template void merge_chunks<float>(const float*, int64_t, int64_t, int64_t, float*);
 template void merge_chunks<double>(const double*, int64_t, int64_t, int64_t, double*);
-template void rows_with_weights<float>(const SdpaArgs<float>&, const KernelTable<float>&,
-                                       int64_t, int64_t, int64_t, int64_t, float*);
-template void rows_with_weights<double>(const SdpaArgs<double>&, const KernelTable<double>&,
-                                       int64_t, int64_t, int64_t, int64_t, double*);
+template void rows_with_weights<float>(const SdpaContext<float>&, int64_t, int64_t, int64_t,
+                                       int64_t, float*);
+template void rows_with_weights<double>(const SdpaContext<double>&, int64_t, int64_t, int64_t,
+                                        int64_t, double*);
 
 }  // namespace attnx::sdpa

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "attention/sdpa_common.h"
+#include "attention/sdpa_context.h"
 
 namespace attnx::sdpa {
 
@@ -19,16 +20,17 @@ size_t rows_scratch_size(int64_t E, int64_t Ev) {
   return size_t(kQueryBlock * (kKeyBlock + Ev + 2) + kKeyBlock * (E + Ev));
 }
 
-// Row path over keys [j_begin, j_end) for rows [r0, r1) of one (b, key
-// head): row r is query row r % L of query head kv_head * group + r / L, so
-// the query heads that share a key head (grouped-query attention) read each
-// block of keys and values once. With `states` null it writes the output
-// rows; otherwise each row's softmax state (m, l, open, acc[Ev]) goes to its
-// slot for key chunk `chunk` of `chunks`, to be merged afterwards.
+// Row path over key chunk `chunk` of the plan's chunks (keys [chunk *
+// kKeyChunk, + kKeyChunk), or all the keys read where there is one chunk)
+// for rows [r0, r1) of one (b, key head): row r is query row r % L of query
+// head kv_head * group + r / L, so the query heads that share a key head
+// (grouped-query attention) read each block of keys and values once. With
+// one chunk it writes the output rows; otherwise each row's softmax state
+// (m, l, open, acc[Ev]) goes to its slot for the chunk in the context's
+// states, to be merged afterwards.
 template <typename T>
-void flash_rows(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t kv_head,
-                int64_t r0, int64_t r1, int64_t j_begin, int64_t j_end, T* scratch, T* states,
-                int64_t chunks, int64_t chunk);
+void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0, int64_t r1,
+                int64_t chunk, T* scratch);
 
 // Merges the per-chunk states of one query row, in chunk order:
 // M = max_c m_c; l = sum_c l_c e^(m_c - M); acc = sum_c acc_c e^(m_c - M).
@@ -38,7 +40,7 @@ void merge_chunks(const T* states, int64_t chunks, int64_t stride, int64_t Ev, T
 // Rows [i0, i1) of one (b, h) with their probabilities written to the
 // weights. Keys past the batch's key length are not read; their weights are 0.
 template <typename T>
-void rows_with_weights(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                       int64_t i0, int64_t i1, T* scratch);
+void rows_with_weights(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, int64_t i1,
+                       T* scratch);
 
 }  // namespace attnx::sdpa

@@ -125,9 +125,12 @@ struct FlashTile {
 // Sets up the tile starting at query i0 of (b, h): zeroes its padding rows,
 // finds its bands and keys, packs its queries. False when no row is left.
 template <typename T>
-bool begin_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                      int64_t i0, int64_t key_block, T* buffers,
-                      const MaskBlockMap<T>& mask_blocks, FlashTile<T>& t) {
+bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* buffers,
+                      FlashTile<T>& t) {
+  const SdpaArgs<T>& a = c.args;
+  const KernelTable<T>& kt = c.kt;
+  const MaskBlockMap<T>& mask_blocks = c.mask_blocks;
+  const int64_t key_block = c.plan.key_block;
   const int qt = kt.query_tile;
   const int64_t L = a.query.shape[2], S = a.key.shape(2);
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
@@ -195,10 +198,13 @@ bool begin_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b,
 // The tile's keys in the chunk [c0, c1): its blocks added into the chunk's
 // accumulator, which is then merged into the total.
 template <typename T>
-void visit_flash_chunk(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile<T>& t,
-                       int64_t c0, int64_t c1, int64_t key_block, T* scratch,
-                       const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks,
-                       bool ask_ahead, const AlignedValues<T>* aligned_values) {
+void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int64_t c1,
+                       T* scratch, bool ask_ahead, const AlignedValues<T>* aligned_values) {
+  const SdpaArgs<T>& a = c.args;
+  const KernelTable<T>& kt = c.kt;
+  const MaskBlockMap<T>& mask_blocks = c.mask_blocks;
+  const FiniteRows& finite_values = c.finite_values;
+  const int64_t key_block = c.plan.key_block;
   if (c1 <= a.mask_cols && (c1 <= t.keys_lo || c0 >= t.keys_hi)) return;  // outside every band
   const int qt = kt.query_tile;
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
@@ -285,10 +291,10 @@ void visit_flash_chunk(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile
         LineRange key_lines =
             stored_row_lines(a.key, b, kv_head, start + n, std::min(key_block, S - start - n));
         const int64_t pieces = (Ev + kAheadColumnsPerPiece - 1) / kAheadColumnsPerPiece;
-        for (int64_t c = 0; c < Ev; c += kAheadColumnsPerPiece) {
+        for (int64_t col = 0; col < Ev; col += kAheadColumnsPerPiece) {
           request_lines_to_l2(key_lines, (key_lines.end + pieces - 1) / pieces);
-          kt.gemm(rows, std::min(kAheadColumnsPerPiece, Ev - c), n, st, 1, qt, vb + c, ldv, o + c,
-                  Ev, init, alpha);
+          kt.gemm(rows, std::min(kAheadColumnsPerPiece, Ev - col), n, st, 1, qt, vb + col, ldv,
+                  o + col, Ev, init, alpha);
         }
       } else {
         kt.gemm(rows, Ev, n, st, 1, qt, vb, ldv, o, Ev, init, alpha);
@@ -327,7 +333,9 @@ void visit_flash_chunk(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile
 // (5) normalise. A query with open keys whose scores were all -inf (an Inf
 // in the inputs) has l = 0 and gives 0/0 = NaN.
 template <typename T>
-void finish_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile<T>& t) {
+void finish_flash_tile(const SdpaContext<T>& c, FlashTile<T>& t) {
+  const SdpaArgs<T>& a = c.args;
+  const KernelTable<T>& kt = c.kt;
   const int qt = kt.query_tile;
   const int64_t Ev = a.value.shape(3);
   if (!t.have_total) {
@@ -347,11 +355,11 @@ void finish_flash_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, FlashTile
 }  // namespace
 
 template <typename T>
-void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                 int64_t i0, int64_t count, int64_t key_block, bool ask_ahead, T* scratch,
-                 const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks,
-                 AlignedValues<T>* aligned_values) {
-  const int qt = kt.query_tile;
+void flash_tiles(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, int64_t count,
+                 T* scratch, AlignedValues<T>* aligned_values) {
+  const SdpaArgs<T>& a = c.args;
+  const int64_t key_block = c.plan.key_block;
+  const int qt = c.kt.query_tile;
   const int64_t S = a.key.shape(2), E = a.query.shape[3], Ev = a.value.shape(3);
   // The head's values, on cache lines: copied once by this thread for all
   // the tiles it runs of the head (see AlignedValues).
@@ -382,25 +390,20 @@ void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int6
   int64_t begun = 0;
   for (int64_t i = 0; i < count; ++i) {
     new (&tiles[begun]) FlashTile<T>;
-    if (begin_flash_tile(a, kt, b, h, i0 + i * qt, key_block, scratch + size_t(begun) * buffers,
-                         mask_blocks, tiles[begun]))
+    if (begin_flash_tile(c, b, h, i0 + i * qt, scratch + size_t(begun) * buffers, tiles[begun]))
       ++begun;
   }
   const int64_t chunk = key_block * std::max<int64_t>(1, kTileChunk / key_block);
   for (int64_t c0 = 0; c0 < S; c0 += chunk)
     for (int64_t i = 0; i < begun; ++i)
-      visit_flash_chunk(a, kt, tiles[i], c0, std::min(S, c0 + chunk), key_block, visit_scratch,
-                        finite_values, mask_blocks, ask_ahead && i == 0, values_copy);
-  for (int64_t i = 0; i < begun; ++i) finish_flash_tile(a, kt, tiles[i]);
+      visit_flash_chunk(c, tiles[i], c0, std::min(S, c0 + chunk), visit_scratch,
+                        c.plan.ask_ahead && i == 0, values_copy);
+  for (int64_t i = 0; i < begun; ++i) finish_flash_tile(c, tiles[i]);
 }
 
-template void flash_tiles<float>(const SdpaArgs<float>&, const KernelTable<float>&, int64_t,
-                                 int64_t, int64_t, int64_t, int64_t, bool, float*,
-                                 const FiniteRows&, const MaskBlockMap<float>&,
-                                 AlignedValues<float>*);
-template void flash_tiles<double>(const SdpaArgs<double>&, const KernelTable<double>&, int64_t,
-                                 int64_t, int64_t, int64_t, int64_t, bool, double*,
-                                 const FiniteRows&, const MaskBlockMap<double>&,
-                                 AlignedValues<double>*);
+template void flash_tiles<float>(const SdpaContext<float>&, int64_t, int64_t, int64_t, int64_t,
+                                 float*, AlignedValues<float>*);
+template void flash_tiles<double>(const SdpaContext<double>&, int64_t, int64_t, int64_t, int64_t,
+                                  double*, AlignedValues<double>*);
 
 }  // namespace attnx::sdpa

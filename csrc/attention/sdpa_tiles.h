@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "attention/mask_blocks.h"
 #include "attention/sdpa_common.h"
+#include "attention/sdpa_context.h"
 
 namespace attnx::sdpa {
 
@@ -129,11 +129,10 @@ bool value_rows_on_lines(const SdpaArgs<T>& a, int64_t b, int64_t kv_head) {
 // L2 once for all the tiles, where one tile at a time through all its keys
 // read every chunk again for each tile (once the keys and values of a head
 // outgrow L2: S = 4096, D64 is 2 MiB). Each tile sums the same blocks in the
-// same order either way: the same bits.
+// same order either way: the same bits. `aligned_values`: this thread's copy
+// of a head's values where the plan aligns them, else null.
 template <typename T>
-void flash_tiles(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                 int64_t i0, int64_t count, int64_t key_block, bool ask_ahead, T* scratch,
-                 const FiniteRows& finite_values, const MaskBlockMap<T>& mask_blocks,
-                 AlignedValues<T>* aligned_values);
+void flash_tiles(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, int64_t count,
+                 T* scratch, AlignedValues<T>* aligned_values);
 
 }  // namespace attnx::sdpa

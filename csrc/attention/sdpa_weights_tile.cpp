@@ -9,8 +9,11 @@
 namespace attnx::sdpa {
 
 template <typename T>
-void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                  int64_t i0, int64_t key_block, T* scratch, const MaskBlockMap<T>& mask_blocks) {
+void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* scratch) {
+  const SdpaArgs<T>& a = c.args;
+  const KernelTable<T>& kt = c.kt;
+  const MaskBlockMap<T>& mask_blocks = c.mask_blocks;
+  const int64_t key_block = c.plan.key_block;
   const int qt = kt.query_tile, W = kt.vector_width;
   const int64_t Hq = a.query.shape[1], L = a.query.shape[2], S = a.key.shape(2);
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
@@ -143,9 +146,7 @@ void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int
   }
 }
 
-template void weights_tile<float>(const SdpaArgs<float>&, const KernelTable<float>&, int64_t,
-                                 int64_t, int64_t, int64_t, float*, const MaskBlockMap<float>&);
-template void weights_tile<double>(const SdpaArgs<double>&, const KernelTable<double>&, int64_t,
-                                 int64_t, int64_t, int64_t, double*, const MaskBlockMap<double>&);
+template void weights_tile<float>(const SdpaContext<float>&, int64_t, int64_t, int64_t, float*);
+template void weights_tile<double>(const SdpaContext<double>&, int64_t, int64_t, int64_t, double*);
 
 }  // namespace attnx::sdpa

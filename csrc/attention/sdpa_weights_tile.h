@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "attention/mask_blocks.h"
 #include "attention/sdpa_common.h"
+#include "attention/sdpa_context.h"
 
 namespace attnx::sdpa {
 
@@ -34,7 +34,6 @@ size_t weights_tile_scratch_size(int qt, int vector_width, int64_t S, int64_t E,
 
 // One tile of queries from i0 of (b, h) with its weights (see above).
 template <typename T>
-void weights_tile(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b, int64_t h,
-                  int64_t i0, int64_t key_block, T* scratch, const MaskBlockMap<T>& mask_blocks);
+void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* scratch);
 
 }  // namespace attnx::sdpa

@@ -15,6 +15,7 @@ void register_runtime(py::module_& m);
 void register_sdpa(py::module_& m);
 void register_sdpa_testing(py::module_& testing);
 void register_testing(py::module_& testing);
+void register_testing_planner(py::module_& testing);
 }  // namespace attnx::bindings
 
 PYBIND11_MODULE(_core, m) {
@@ -36,4 +37,5 @@ PYBIND11_MODULE(_core, m) {
       "_testing", "Hooks for attnx's own tests (private, no API; see attnx._testing).");
   attnx::bindings::register_testing(testing);
   attnx::bindings::register_sdpa_testing(testing);
+  attnx::bindings::register_testing_planner(testing);
 }
