@@ -111,6 +111,16 @@ def compiler() -> str: ...
 class _TestingModule:
     """The submodule attnx._core._testing: hooks for attnx's tests (attnx._testing)."""
     @staticmethod
+    def plan_sdpa(
+        call: dict, query_tile: int, vector_width: int, threads: int
+    ) -> dict: ...
+    @staticmethod
+    def sdpa_work(call: dict) -> float: ...
+    @staticmethod
+    def kernel_facts(dtype: str) -> dict: ...
+    @staticmethod
+    def planner_constants() -> dict: ...
+    @staticmethod
     def run_sdpa(
         query: npt.NDArray[np.floating],
         key: npt.NDArray[np.floating],

@@ -10,5 +10,17 @@ from ._core import _testing as _hooks
 trace_balanced_loop = _hooks.trace_balanced_loop
 widen_16bit = _hooks.widen_16bit
 run_sdpa = _hooks.run_sdpa
+plan_sdpa = _hooks.plan_sdpa
+sdpa_work = _hooks.sdpa_work
+kernel_facts = _hooks.kernel_facts
+planner_constants = _hooks.planner_constants
 
-__all__ = ["run_sdpa", "trace_balanced_loop", "widen_16bit"]
+__all__ = [
+    "kernel_facts",
+    "plan_sdpa",
+    "planner_constants",
+    "run_sdpa",
+    "sdpa_work",
+    "trace_balanced_loop",
+    "widen_16bit",
+]
