@@ -1,4 +1,4 @@
-// Constants of the vector exp and exp2 used by every kernel.
+// Constants of the vector exp and exp2 of the SIMD kernels (vec_exp.h).
 //
 // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n*ln2 in [-ln2/2, ln2/2].
 // ln2 is split in a high part with trailing zero bits (so n*ln2_hi is exact)
@@ -23,6 +23,9 @@ struct ExpConstants<float> {
   // of cycles on Intel cores). Above kOverflow it is +inf.
   static constexpr float kUnderflow = -0x1.5d589ep+6f;  // -87.33 ~ ln(FLT_MIN)
   static constexpr float kOverflow = 0x1.62e42ep+6f;    //  88.72 ~ ln(FLT_MAX)
+  // x is clamped to at most this (past kOverflow: +inf either way), so that
+  // n = round(x / ln2) <= 130.
+  static constexpr float kClampAbove = 90.0f;
   static constexpr int kDegree = 7;
   // 1/k! for k = 0..7
   static constexpr float kTaylor[8] = {1.0f, 1.0f, 0.5f, 0x1.555556p-3f, 0x1.555556p-5f,
@@ -36,6 +39,7 @@ struct ExpConstants<double> {
   static constexpr double kLn2Lo = 0x1.a39ef35793c76p-33;
   static constexpr double kUnderflow = -0x1.6232bdd7abcd2p+9;  // -708.39 ~ ln(DBL_MIN)
   static constexpr double kOverflow = 0x1.62e42fefa39efp+9;    //  709.78 ~ ln(DBL_MAX)
+  static constexpr double kClampAbove = 720.0;  // n <= 1039
   static constexpr int kDegree = 13;
   static constexpr double kTaylor[14] = {
       1.0,
@@ -58,12 +62,15 @@ struct ExpConstants<double> {
 // 2^x = 2^n * 2^r, n = round(x), r = x - n in [-1/2, 1/2] (exact). 2^r is a
 // polynomial: for float, degree 6 fitted on [-1/2, 1/2] (max relative error
 // 1.6 ulp measured); for double, the Taylor series of e^(r ln2) to degree 13
-// (truncation error < 5e-18).
+// (truncation error < 5e-18). exp2 clamps x to [kClampBelow, kClampAbove],
+// past the results 0 and +inf; 2^kMinExponent is the least normal number.
 template <typename T>
 struct Exp2Constants;
 
 template <>
 struct Exp2Constants<float> {
+  static constexpr float kClampBelow = -160.0f, kClampAbove = 130.0f;
+  static constexpr int kMinExponent = -126;
   static constexpr int kDegree = 6;
   static constexpr float kPoly[7] = {1.0f,           0x1.62e430p-1f, 0x1.ebfbdap-3f,
                                      0x1.c6aed6p-5f, 0x1.3b2dfep-7f, 0x1.5f44f0p-10f,
@@ -72,6 +79,8 @@ struct Exp2Constants<float> {
 
 template <>
 struct Exp2Constants<double> {
+  static constexpr double kClampBelow = -1100.0, kClampAbove = 1100.0;
+  static constexpr int kMinExponent = -1022;
   static constexpr int kDegree = 13;
   static constexpr double kPoly[14] = {  // ln2^k / k!
       0x1.0000000000000p+0,  0x1.62e42fefa39efp-1, 0x1.ebfbdff82c58ep-3, 0x1.c6b08d704a0bfp-5,

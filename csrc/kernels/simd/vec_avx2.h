@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <limits>
 
-#include "kernels/simd/exp_constants.h"
 #include "kernels/simd/hold_register.h"
+#include "kernels/simd/vec_exp.h"
 
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
@@ -132,39 +132,29 @@ struct Avx2F32 {
     const V closed = _mm256_cmp_ps(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm256_and_ps(closed, set1(1.0f));
   }
-  static V exp(V x) {
-    using C = ExpConstants<T>;
-    // Below kUnderflow (exp(-inf) among them) the result is an exact 0 by a
-    // mask, so that no product underflows (see ExpConstants). x is clamped
-    // so that n fits [-126, 130]; 2^n is built as 2^(n/2) * 2^(n - n/2) from
-    // exponent bits, so both factors stay normal numbers and the product
-    // overflows to +inf like exp. NaN passes through the compare (unordered)
-    // and vmaxps/vminps (their second operand).
-    const V normal = _mm256_cmp_ps(x, set1(C::kUnderflow), _CMP_NLT_UQ);
-    x = _mm256_max_ps(set1(C::kUnderflow), x);
-    x = _mm256_min_ps(set1(90.0f), x);
-    const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(C::kLog2e)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_ps(n, set1(C::kLn2Hi), x);
-    r = _mm256_fnmadd_ps(n, set1(C::kLn2Lo), r);
-    V p = set1(C::kTaylor[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, r, set1(C::kTaylor[k]));
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i n1 = _mm256_srai_epi32(ni, 1);
-    const __m256i n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const V scale1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_and_ps(_mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2), normal);
+  // The primitives of the exponentials (vec_exp.h).
+  using Mask = V;  // all ones in the lanes where true
+  static constexpr bool kZeroesByMask = false;
+  static Mask not_less(V x, V c) { return _mm256_cmp_ps(x, c, _CMP_NLT_UQ); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V round_nearest(V x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
-  static V exp2(V x) {
-    using C = Exp2Constants<T>;
-    // n in [-160, 130], applied as 2^(n/2) * 2^(n - n/2) as in exp.
-    x = _mm256_min_ps(set1(130.0f), _mm256_max_ps(set1(-160.0f), x));
-    const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V r = _mm256_sub_ps(x, n);
-    V p = set1(C::kPoly[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, r, set1(C::kPoly[k]));
+  static void split_nearest(V x, V& n, V& r) {
+    n = round_nearest(x);
+    r = _mm256_sub_ps(x, n);
+  }
+  // 2^n for an integral n in [-127, 127]; n = -127 gives the bits of +0.0.
+  static V pow2(V n) {
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
+  }
+  // p 2^n for an integral n in [-252, 254], as p 2^(n/2) 2^(n - n/2) from
+  // exponent bits: both factors stay normal numbers, and the product rounds
+  // once (and overflows to +inf like exp).
+  static V scale(V p, V n) {
     const __m256i ni = _mm256_cvtps_epi32(n);
     const __m256i n1 = _mm256_srai_epi32(ni, 1);
     const __m256i n2 = _mm256_sub_epi32(ni, n1);
@@ -173,21 +163,10 @@ struct Avx2F32 {
     const V scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, scale1), scale2);
   }
-  // 2^x for x <= 0 or NaN (the online softmax's x = s - max): one clamp and
-  // one scale by exponent bits instead of two. x <= -127 (-inf included)
-  // gives exactly 0, and so do results below 2^-126.5: next to the row's
-  // largest term, 1, they weigh under 2^-126. Elsewhere equal to exp2.
-  static V exp2_nonpositive(V x) {
-    using C = Exp2Constants<T>;
-    x = _mm256_max_ps(set1(-127.0f), x);  // a NaN x is kept (max returns it)
-    const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V r = _mm256_sub_ps(x, n);
-    V p = set1(C::kPoly[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_ps(p, r, set1(C::kPoly[k]));
-    // n = -127 gives the bits of +0.0.
-    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
-  }
+  static V scale_where(Mask keep, V p, V n) { return _mm256_and_ps(scale(p, n), keep); }
+  static V exp(V x) { return vector_exp<Avx2F32>(x); }
+  static V exp2(V x) { return vector_exp2<Avx2F32>(x); }
+  static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx2F32>(x); }
   // In-register transpose of 8 rows of 8.
   static void transpose(V (&r)[8]) {
     V t[8], u[8];
@@ -272,35 +251,28 @@ struct Avx2F64 {
     const V closed = _mm256_cmp_pd(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm256_and_pd(closed, set1(1.0));
   }
-  static V exp(V x) {
-    using C = ExpConstants<T>;
-    // As Avx2F32's: below kUnderflow, an exact 0 by the mask.
-    const V normal = _mm256_cmp_pd(x, set1(C::kUnderflow), _CMP_NLT_UQ);
-    x = _mm256_max_pd(set1(C::kUnderflow), x);
-    x = _mm256_min_pd(set1(720.0), x);
-    const V n = _mm256_round_pd(_mm256_mul_pd(x, set1(C::kLog2e)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_pd(n, set1(C::kLn2Hi), x);
-    r = _mm256_fnmadd_pd(n, set1(C::kLn2Lo), r);
-    V p = set1(C::kTaylor[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_pd(p, r, set1(C::kTaylor[k]));
-    const __m128i ni = _mm256_cvtpd_epi32(n);
-    const __m128i n1 = _mm_srai_epi32(ni, 1);
-    const __m128i n2 = _mm_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi64x(1023);
-    const V scale1 = _mm256_castsi256_pd(
-        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n1), bias), 52));
-    const V scale2 = _mm256_castsi256_pd(
-        _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), bias), 52));
-    return _mm256_and_pd(_mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2), normal);
+  // The primitives of the exponentials (vec_exp.h), as Avx2F32's.
+  using Mask = V;
+  static constexpr bool kZeroesByMask = false;
+  static Mask not_less(V x, V c) { return _mm256_cmp_pd(x, c, _CMP_NLT_UQ); }
+  static V max(V a, V b) { return _mm256_max_pd(a, b); }
+  static V min(V a, V b) { return _mm256_min_pd(a, b); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_pd(a, b, c); }
+  static V round_nearest(V x) {
+    return _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
-  static V exp2(V x) {
-    using C = Exp2Constants<T>;
-    x = _mm256_min_pd(set1(1100.0), _mm256_max_pd(set1(-1100.0), x));
-    const V n = _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V r = _mm256_sub_pd(x, n);
-    V p = set1(C::kPoly[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_pd(p, r, set1(C::kPoly[k]));
+  static void split_nearest(V x, V& n, V& r) {
+    n = round_nearest(x);
+    r = _mm256_sub_pd(x, n);
+  }
+  // 2^n for an integral n in [-1023, 1023]; n = -1023 gives the bits of +0.0.
+  static V pow2(V n) {
+    const __m256i biased =
+        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)), _mm256_set1_epi64x(1023));
+    return _mm256_castsi256_pd(_mm256_slli_epi64(biased, 52));
+  }
+  // p 2^n for an integral n in [-2044, 2046], as Avx2F32's.
+  static V scale(V p, V n) {
     const __m128i ni = _mm256_cvtpd_epi32(n);
     const __m128i n1 = _mm_srai_epi32(ni, 1);
     const __m128i n2 = _mm_sub_epi32(ni, n1);
@@ -311,18 +283,10 @@ struct Avx2F64 {
         _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(n2), bias), 52));
     return _mm256_mul_pd(_mm256_mul_pd(p, scale1), scale2);
   }
-  // As Avx2F32::exp2_nonpositive: x <= -1023 and results below 2^-1022.5 give 0.
-  static V exp2_nonpositive(V x) {
-    using C = Exp2Constants<T>;
-    x = _mm256_max_pd(set1(-1023.0), x);  // a NaN x is kept
-    const V n = _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V r = _mm256_sub_pd(x, n);
-    V p = set1(C::kPoly[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm256_fmadd_pd(p, r, set1(C::kPoly[k]));
-    const __m256i biased =
-        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)), _mm256_set1_epi64x(1023));
-    return _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(biased, 52)));
-  }
+  static V scale_where(Mask keep, V p, V n) { return _mm256_and_pd(scale(p, n), keep); }
+  static V exp(V x) { return vector_exp<Avx2F64>(x); }
+  static V exp2(V x) { return vector_exp2<Avx2F64>(x); }
+  static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx2F64>(x); }
   // In-register transpose of 4 rows of 4.
   static void transpose(V (&r)[4]) {
     V t[4];

@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <limits>
 
-#include "kernels/simd/exp_constants.h"
 #include "kernels/simd/hold_register.h"
+#include "kernels/simd/vec_exp.h"
 
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
@@ -106,47 +106,30 @@ struct Avx512F32 {
         _mm512_cmp_ps_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm512_maskz_mov_ps(closed, set1(1.0f));
   }
-  static V exp(V x) {
-    using C = ExpConstants<T>;
-    // Below kUnderflow (exp(-inf) among them) the result is an exact 0
-    // through a zeroing mask, so that scalef never underflows (see
-    // exp2_nonpositive); x > ln(FLT_MAX) scales to +inf. NaN passes through
-    // the compare and vmaxps/vminps (their second operand).
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, set1(C::kUnderflow), _CMP_NLT_UQ);
-    x = _mm512_max_ps(set1(C::kUnderflow), x);
-    x = _mm512_min_ps(set1(90.0f), x);
-    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(C::kLog2e)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm512_fnmadd_ps(n, set1(C::kLn2Hi), x);
-    r = _mm512_fnmadd_ps(n, set1(C::kLn2Lo), r);
-    V p = set1(C::kTaylor[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kTaylor[k]));
-    return _mm512_maskz_scalef_ps(normal, p, n);
+  // The primitives of the exponentials (vec_exp.h). A zeroing mask costs
+  // nothing, and a lane it zeroes takes no microcode assist where its scalef
+  // would underflow: the masks keep every scaling clear of underflow.
+  using Mask = __mmask16;
+  static constexpr bool kZeroesByMask = true;
+  static Mask not_less(V x, V c) { return _mm512_cmp_ps_mask(x, c, _CMP_NLT_UQ); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V round_nearest(V x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
-  // The softmax's 2^x, for x <= 0 (or NaN, which passes through). With no
-  // clamp above (scalef needs none for x <= 0) it is one operation of about
-  // fifteen shorter: 1.82 rather than 2.17 ns a vector on a Xeon core.
-  // x < -126 (a closed key's -inf among them) gives an exact 0 through a
-  // zeroing mask, and every other lane is at least 2^-126 (n >= -126, and
-  // r >= 0 where n = -126): no unmasked lane underflows. A scalef whose
-  // result underflows (to a subnormal or to 0) takes a microcode assist of
-  // about 270 cycles on Intel cores, which the first key block of every
-  // query tile paid for its rescale factor (e^-inf) and every vector of a
-  // closed key for its probability; a lane the mask zeroes takes none, so
-  // those need no clamp.
   // r = x - round(x) is one vreduceps, and n = x - r exactly, where
   // vrndscaleps and a subtraction are three operations on port 0: the same
   // r and n (the same bits), a softmax step 14% shorter on a Xeon core
   // (1.67 rather than 1.96 ns a vector, scores in L1).
-  static V exp2_nonpositive(V x) {
-    using C = Exp2Constants<T>;
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, set1(-126.0f), _CMP_NLT_UQ);  // NaN too
-    const V r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V n = _mm512_sub_ps(x, r);
-    V p = set1(C::kPoly[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, set1(C::kPoly[k]));
-    return _mm512_maskz_scalef_ps(normal, p, n);
+  static void split_nearest(V x, V& n, V& r) {
+    r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    n = _mm512_sub_ps(x, r);
   }
+  // p 2^n by vscalefps, in the lanes of keep.
+  static V scale_where(Mask keep, V p, V n) { return _mm512_maskz_scalef_ps(keep, p, n); }
+  static V exp(V x) { return vector_exp<Avx512F32>(x); }
+  static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx512F32>(x); }
   // In-register transpose of 16 rows of 16: r[i][j] <- r[j][i].
   static void transpose(V (&r)[16]) {
     V t[16], u[16];
@@ -232,31 +215,23 @@ struct Avx512F64 {
         _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<T>::infinity()), _CMP_EQ_OQ);
     return _mm512_maskz_mov_pd(closed, set1(1.0));
   }
-  static V exp(V x) {
-    using C = ExpConstants<T>;
-    // As Avx512F32's: below kUnderflow, an exact 0 by the mask.
-    const __mmask8 normal = _mm512_cmp_pd_mask(x, set1(C::kUnderflow), _CMP_NLT_UQ);
-    x = _mm512_max_pd(set1(C::kUnderflow), x);
-    x = _mm512_min_pd(set1(720.0), x);
-    const V n = _mm512_roundscale_pd(_mm512_mul_pd(x, set1(C::kLog2e)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm512_fnmadd_pd(n, set1(C::kLn2Hi), x);
-    r = _mm512_fnmadd_pd(n, set1(C::kLn2Lo), r);
-    V p = set1(C::kTaylor[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kTaylor[k]));
-    return _mm512_maskz_scalef_pd(normal, p, n);
+  // The primitives of the exponentials (vec_exp.h), as Avx512F32's.
+  using Mask = __mmask8;
+  static constexpr bool kZeroesByMask = true;
+  static Mask not_less(V x, V c) { return _mm512_cmp_pd_mask(x, c, _CMP_NLT_UQ); }
+  static V max(V a, V b) { return _mm512_max_pd(a, b); }
+  static V min(V a, V b) { return _mm512_min_pd(a, b); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_pd(a, b, c); }
+  static V round_nearest(V x) {
+    return _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
-  // As Avx512F32's: x < -1022 gives an exact 0 by the mask, every other lane
-  // at least 2^-1022.
-  static V exp2_nonpositive(V x) {
-    using C = Exp2Constants<T>;
-    const __mmask8 normal = _mm512_cmp_pd_mask(x, set1(-1022.0), _CMP_NLT_UQ);  // NaN too
-    const V r = _mm512_reduce_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V n = _mm512_sub_pd(x, r);
-    V p = set1(C::kPoly[C::kDegree]);
-    for (int k = C::kDegree - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, r, set1(C::kPoly[k]));
-    return _mm512_maskz_scalef_pd(normal, p, n);
+  static void split_nearest(V x, V& n, V& r) {
+    r = _mm512_reduce_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    n = _mm512_sub_pd(x, r);
   }
+  static V scale_where(Mask keep, V p, V n) { return _mm512_maskz_scalef_pd(keep, p, n); }
+  static V exp(V x) { return vector_exp<Avx512F64>(x); }
+  static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx512F64>(x); }
   // In-register transpose of 8 rows of 8.
   static void transpose(V (&r)[8]) {
     V t[8];
