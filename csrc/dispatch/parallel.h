@@ -18,8 +18,9 @@ int threads_for(double work);
 // What one element read from memory (or the last-level cache) and used for
 // a few multiply-adds counts for in threads_for's work: a decoding step or
 // the projections of a few rows take the memory's time, not the
-// multiply-adds'. (Decoding H12 S512 D64, 0.8 million multiply-adds over
-// 3 MiB, takes ~100 us on one core.)
+// multiply-adds': a decoding step of fewer multiply-adds than threads_for's
+// serial limit can take long enough to gain from more threads
+// (measurements: docs/tuning.md).
 constexpr double kStreamedElementWork = 8;
 
 inline int current_thread() {
@@ -40,8 +41,8 @@ enum class Schedule {
 
 // body(i) for every i in [0, n), on `threads` threads. With one thread it is
 // a plain loop: an OpenMP region, even one made serial by an if clause, ends
-// on a barrier that costs the caller futex system calls (about 1 us per call
-// on a small VM, a sixth of a 16-query attention call).
+// on a barrier that costs the caller futex system calls, a noticeable part
+// of a small attention call (measurements: docs/tuning.md).
 template <typename Body>
 void parallel_for(int64_t n, int threads, Schedule schedule, const Body& body) {
 #ifdef ATTNX_HAVE_OPENMP

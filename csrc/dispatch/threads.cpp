@@ -99,9 +99,10 @@ std::string compiler_name() {
 }
 
 int threads_for(double work) {
-  // Below about a million multiply-adds (~10 us on one core) a parallel
-  // region costs more than it saves: waking a team takes microseconds, and
-  // far more when another process holds the other cores.
+  // Below about a million multiply-adds a parallel region costs more than
+  // it saves: waking a team takes microseconds, comparable to that work,
+  // and far more when another process holds the other cores (measurements:
+  // docs/tuning.md).
   constexpr double kSerialWork = 1 << 20;
   return work < kSerialWork || t_stale_openmp_pool ? 1 : get_num_threads();
 }

@@ -28,10 +28,10 @@ constexpr int64_t kSumRun = 128;
 // compiled: its broadcasts then address A from one pointer at constant
 // offsets m, where two runtime strides take more address registers than
 // x86-64 has and the k loop spills its counters. That is the flash tile's
-// P.V, whose A is the probabilities, a column of queries per key: alone, one
-// AVX-512 core, 193 -> 212 GFLOP/s; in the attention, 1-2% less time (B8 L128
-// and L1024, median of 8 interleaved runs). (Row-major tiles for the scores,
-// a_col == 1, were as fast alone and slower in the attention.)
+// P.V, whose A is the probabilities, a column of queries per key: faster
+// alone and in the attention (measurements: docs/tuning.md). (Row-major
+// tiles for the scores, a_col == 1, were as fast alone and slower in the
+// attention.)
 enum class ALayout {
   kStrided,     // A(m, k) = a[m * a_row + k * a_col]
   kColumnMajor  // a_row == 1
@@ -105,9 +105,8 @@ struct GemmKernels {
       // is more than x86-64 has, and the spilled indices cost more loads
       // than the tile's multiply-adds can hide. (The AVX-512 tiles of 12
       // and 8 rows, the flash tile's scores and its last rows of P.V, had
-      // reloaded four spilled indices per k in the general loop: in the
-      // quads, B8 H12 L128 D64 and B2 L512 took 2% less time on one Xeon
-      // core, in-process paired runs, L1024 and the causal L2048 level.)
+      // reloaded four spilled indices per k in the general loop; in the
+      // quads the attention takes less time or as long: docs/tuning.md.)
       const T* quad[MR / 4];
 #pragma GCC unroll 4
       for (int i = 0; i < MR / 4; ++i) quad[i] = a + 4 * i * a_row;

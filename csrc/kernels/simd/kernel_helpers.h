@@ -15,17 +15,15 @@ namespace {
 
 // Streaming row kernels (decoding reads every key and value once, from
 // memory) prefetch rows of at least kPrefetchMinRowBytes, 8 rows ahead of
-// their reads. Measured on a Zen 3 core, decoding B1 H32 S2048: with rows
-// of 512 bytes (128 float32) the hardware prefetchers alone reached about
-// 60% of the bandwidth a plain sum does, and prefetching 8 rows (4 KiB)
-// ahead took 11-15% off the time (16 rows: about as much, 32: less); with
-// rows of 256 bytes (B4 H12 S4096 D64) it added 3-9%, at 4 KiB ahead too.
+// their reads. With rows of 512 bytes (128 float32) the hardware
+// prefetchers alone fall well short of the bandwidth a plain sum reaches,
+// and requests 8 rows (4 KiB) ahead win it back about as well as 16 and
+// better than 32; with shorter rows they cost time, at 4 KiB ahead too.
 // The scores, which read four rows at a time a vector of each, ask for the
 // line of each row ahead as they load that vector, not for all the lines of
 // four rows at once: a burst of requests fills the core's line fill buffers
-// and stalls it (decoding B1 H32 L4 S4096 D128: 3% less time on a Xeon
-// core). (The projections of a few rows, dot_rows, ask for nothing ahead:
-// see there.)
+// and stalls it. (The projections of a few rows, dot_rows, ask for nothing
+// ahead: see there.) Measurements: docs/tuning.md.
 constexpr int64_t kPrefetchMinRowBytes = 512;
 constexpr int64_t kPrefetchRows = 8;
 

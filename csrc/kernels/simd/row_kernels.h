@@ -84,9 +84,9 @@ struct RowKernels {
         for (int u = 0; u < 4; ++u) {
           kv[u] = load_stored<kSrc>(kr[u] + i);
           // Held in a register for the R rows, where GCC would load it
-          // again as an operand of each row's multiply-add (AVX2, D128, one
-          // core, B1 H8 L4-L8 S1024: 8-9% less time; grouped heads decoding
-          // from memory, B1 H32/8 S4096, 3% more).
+          // again as an operand of each row's multiply-add: less time for a
+          // few rows over keys in cache, a little more for grouped heads
+          // decoding from memory (measurements: docs/tuning.md).
           if constexpr (R > 1) Vec::hold(kv[u]);
         }
 #pragma GCC unroll 4
@@ -170,10 +170,8 @@ struct RowKernels {
   // is loaded once for the R rows, each of x once for the 4 rows of w.
   // w's rows are read in order, one after the other, and the hardware
   // prefetchers alone keep up with that: asking for each line 8 rows ahead
-  // as well (as the decode kernels do for keys and values) cost time on a
-  // Xeon (AVX512-FP16) core, both kernels, weights in L3: the one-token
-  // layer E1024 took 10% longer on one thread and 13-16% on two, E2048 18%;
-  // from DRAM (E4096) 4.5%.
+  // as well (as the decode kernels do for keys and values) cost time, with
+  // the weights in L3 and from DRAM alike (measurements: docs/tuning.md).
   template <int R>
   static void dot_rows_of(const T* const* x, const T* w, int64_t ldw, int64_t n, int64_t dim,
                           T* const* y) {
@@ -281,10 +279,9 @@ struct RowKernels {
   // loaded once for the R rows, so that a multiply-add costs (1 + R) / 4R
   // loads and 1/4 of a store. (The rows one at a time, two keys at a time,
   // took a load per multiply-add and a store per two, and the stores bound
-  // them: AVX2, D128, one core, B1 H2 L8 S1024 took 14-18% less time, H8
-  // L8 S1024 12-17% less, H8 L4 18% less.) A row alone, decoding from
-  // memory, keeps to two keys at a time: with four, each burst of requests
-  // ahead doubles, and B1 H32 L1 S2048 took 6-8% more time.
+  // them.) A row alone, decoding from memory, keeps to two keys at a time:
+  // with four, each burst of requests ahead doubles, which costs it more
+  // time than the fewer loads save (measurements: docs/tuning.md).
   template <Stored kSrc, typename P, int R>
   static void accumulate_pv_in_l1(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
                                   int64_t dim, T* const* acc, int64_t ahead,

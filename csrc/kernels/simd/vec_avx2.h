@@ -55,8 +55,8 @@ struct Avx2F32 {
   static constexpr int kWideRows = 6, kWideVectors = 2;
   // Queries per flash tile, in vectors: 32 queries. Against 16, the score
   // tile's rows (6 x 2-vector tiles) are reused by twice as many queries and
-  // the P.V gemm's 32 rows split into 6-row tiles with less left over;
-  // 1024 x 1024 attention ran 7% faster on one core of a Zen 3.
+  // the P.V gemm's 32 rows split into 6-row tiles with less left over
+  // (measurements: docs/tuning.md).
   static constexpr int kQueryTileVectors = 4;
   // Query rows the row kernels take at once: 2 rows x 4 keys of
   // accumulators and the 4 key vectors fit 16 registers (4 rows would not).

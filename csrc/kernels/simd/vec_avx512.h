@@ -120,8 +120,8 @@ struct Avx512F32 {
   }
   // r = x - round(x) is one vreduceps, and n = x - r exactly, where
   // vrndscaleps and a subtraction are three operations on port 0: the same
-  // r and n (the same bits), a softmax step 14% shorter on a Xeon core
-  // (1.67 rather than 1.96 ns a vector, scores in L1).
+  // r and n (the same bits), and a shorter softmax step (measurements:
+  // docs/tuning.md).
   static void split_nearest(V x, V& n, V& r) {
     r = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     n = _mm512_sub_ps(x, r);

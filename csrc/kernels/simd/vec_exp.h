@@ -75,13 +75,12 @@ typename Vec::V vector_exp2(typename Vec::V x) {
 // closed key's -inf among them) gives an exact 0 through a zeroing mask, and
 // every other lane is at least 2^kMinExponent (n >= kMinExponent, and r >= 0
 // where n = kMinExponent): no kept lane underflows. A scaling whose result
-// underflows (to a subnormal or to 0) takes a microcode assist of about 270
-// cycles on Intel cores, which the first key block of every query tile paid
-// for its rescale factor (e^-inf) and every vector of a closed key for its
-// probability; a lane the mask zeroes takes none, so those need no clamp.
-// With no clamp above (scale_where needs none for x <= 0) it is one
-// operation of about fifteen shorter: 1.82 rather than 2.17 ns a vector on a
-// Xeon core.
+// underflows (to a subnormal or to 0) takes a microcode assist of hundreds
+// of cycles on Intel cores, which the first key block of every query tile
+// paid for its rescale factor (e^-inf) and every vector of a closed key for
+// its probability; a lane the mask zeroes takes none, so those need no
+// clamp. Nor is there a clamp above: scale_where needs none for x <= 0, and
+// it would be one operation of about fifteen (measurements: docs/tuning.md).
 //
 // Elsewhere one clamp and one scale by exponent bits replace exp2's two of
 // each: x <= kMinExponent - 1 (-inf included) gives n = kMinExponent - 1,
