@@ -4,7 +4,7 @@
 ``scaled_dot_product_attention``, ``multi_head_attention_forward``, ``MultiheadAttention``
 (construction, forward, ``load_state_dict``), ``set_num_threads``, ``KVCache`` with
 ``cached_attention``, ``multi_head_attention_step`` (a few decoding steps over a cache), and
-the private ``_core.sdpa`` / ``_testing.run_sdpa`` / ``_core.mha`` / ``_core.MhaPlan`` --
+the private ``_core.sdpa`` / ``_testing.run_sdpa`` / ``_core.mha`` / ``_core.MhaWeights`` --
 built as a valid call that is then mutated 0 to 3 times: an argument replaced by a
 malformed value (wrong rank, shape, dtype, strides, byte order, alignment, a list, a
 string, None, an object whose ``__array__`` raises, ...), or resized, or re-typed, or
@@ -780,12 +780,12 @@ def core_sdpa_expected(q, k, v, mask, causal, scale):
 
 
 def fuzz_core(p: Provider):
-    which = p.choice(["sdpa", "sdpa", "sdpa_plain", "mha", "mha_plan"])
+    which = p.choice(["sdpa", "sdpa", "sdpa_canonical", "mha", "mha_weights"])
     dtype = p.choice([F32, F64])
-    if which == "mha_plan":
-        fuzz_core_mha_plan(p, dtype)
+    if which == "mha_weights":
+        fuzz_core_mha_weights(p, dtype)
         return
-    if which in ("sdpa", "sdpa_plain"):
+    if which in ("sdpa", "sdpa_canonical"):
         B, Hk, g = p.int(0, 2), p.int(0, 2), p.int(1, 2)
         L, S, E, Ev = p.choice([0, 1, 3, 40]), p.choice([0, 1, 7, 600]), p.choice([1, 4, 16]), p.choice([1, 3, 8])
         a = dict(query=values(p, (B, Hk * g, L, E), dtype), key=values(p, (B, Hk, S, E), dtype),
@@ -815,7 +815,7 @@ def fuzz_core(p: Provider):
             isinstance(a["out"], np.ndarray) and isinstance(a["weights"], np.ndarray)
             and np.shares_memory(a["out"], a["weights"]))
         snap = snapshot(inputs)
-        if which == "sdpa_plain":
+        if which == "sdpa_canonical":
             ok, got = call("_core.sdpa", lambda: _core.sdpa(
                 a["query"], a["key"], a["value"], None, sdpa_options(a["causal"], None, False, None), None))
             check_untouched(snap, "_core.sdpa")
@@ -826,7 +826,7 @@ def fuzz_core(p: Provider):
             if ok and canonical:
                 exp, _ = core_sdpa_expected(a["query"], a["key"], a["value"], None, bool(a["causal"]),
                                             1 / math.sqrt(safe_shape(a["query"])[3]))
-                compare(got, exp, np.asarray(a["query"]).dtype, "_core.sdpa", inputs)
+                compare(got, exp, np.asarray(a["query"]).dtype.newbyteorder("="), "_core.sdpa", inputs)
             return
         ok, _ = call("_testing.run_sdpa", lambda: _testing.run_sdpa(
             a["query"], a["key"], a["value"], a["attn_mask"],
@@ -870,13 +870,29 @@ def fuzz_core(p: Provider):
             a[name] = p.choice(SCALAR_JUNK + [-5, 7, 2**62])
         else:
             a[name] = malformed(p, a[name])
-    ok, _ = call("_core.mha", lambda: _core.mha(**a))
+    ok, _ = call("_testing.run_mha", lambda: run_core_mha(**a))
 
 
-def fuzz_core_mha_plan(p: Provider, dtype):
-    """_core.MhaPlan: built from parameters (perhaps malformed), then called with inputs and
-    flags (perhaps malformed). A call it accepts must give _core.mha's result on the same
-    arrays; one it declines returns None; nothing else but a clear exception."""
+def run_core_mha(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, add_zero_attn,
+                 static_k, static_v, attn_mask, key_padding_mask, causal, w_out, b_out, out, weights,
+                 average_weights):
+    """The core's forward pass on canonical (N, L, E) arrays: the parameters checked by
+    _core.MhaWeights, then _testing.run_mha; the results copied into out and weights."""
+    dtype = np.dtype(np.float64 if getattr(query, "dtype", None) == np.float64 else np.float32)
+    in_biases = None if b_q is None and b_k is None and b_v is None else (b_q, b_k, b_v)
+    bias_kv = None if bias_k is None and bias_v is None else (bias_k, bias_v)
+    params = _core.MhaWeights(num_heads, (w_q, w_k, w_v), in_biases, (w_out, b_out), bias_kv, add_zero_attn, dtype)
+    options = _core.MhaOptions(causal, False, weights is not None, average_weights, True)
+    result, probabilities = _testing.run_mha(params, (query, key, value, attn_mask, key_padding_mask, static_k, static_v), options)
+    out[...] = result
+    if weights is not None:
+        weights[...] = probabilities
+
+
+def fuzz_core_mha_weights(p: Provider, dtype):
+    """_core.MhaWeights built from parameters (perhaps malformed), then _core.mha with inputs
+    and flags (perhaps malformed). A call it accepts must give the bits of the core's forward
+    pass on the canonical arrays (_testing.run_mha); nothing else but a clear exception."""
     H = p.int(1, 2)
     E = H * p.choice([1, 2, 4])
     kdim, vdim = p.choice([E, 3]), p.choice([E, 2])
@@ -904,7 +920,15 @@ def fuzz_core_mha_plan(p: Provider, dtype):
             params[name] = p.choice(SCALAR_JUNK + [-5, 7, 2**62])
         else:
             params[name] = malformed(p, params[name])
-    ok, plan = call("_core.MhaPlan", lambda: _core.MhaPlan(**params))
+    def weights_of(q):
+        in_biases = (params["b_q"], params["b_k"], params["b_v"])
+        return _core.MhaWeights(
+            params["num_heads"], (params["w_q"], params["w_k"], params["w_v"]),
+            None if in_biases == (None, None, None) else in_biases, (params["w_out"], params["b_out"]),
+            None if params["bias_k"] is None and params["bias_v"] is None else (params["bias_k"], params["bias_v"]),
+            params["add_zero_attn"], np.dtype(dtype))
+
+    ok, plan = call("_core.MhaWeights", lambda: weights_of(None))
     if not ok:
         return
     batch_first = params["batch_first"]
@@ -927,40 +951,29 @@ def fuzz_core_mha_plan(p: Provider, dtype):
         else:
             flags[i - 3] = p.choice(SCALAR_JUNK)
     snap = snapshot(args + list(params.values()))
-    ok, got = call("_core.MhaPlan()", lambda: plan(*args, *flags))
-    check_untouched(snap, "_core.MhaPlan()")
-    if ok and got is None:
-        OUTCOMES["_core.MhaPlan(): declined"] += 1
-    if not ok or got is None:
+    ok, got = call("_core.mha", lambda: _core.mha(
+        plan, *args, None, _core.MhaOptions(flags[2], flags[2] and flags[3], flags[0], flags[1], batch_first)))
+    check_untouched(snap, "_core.mha")
+    if not ok:
         return
     need_weights, average, causal, bottom_right = flags
     out, weights = got
-    # Perhaps replaced above by another value the plan accepted (True: 1 head).
-    heads = operator.index(params["num_heads"])
-    # (Self-attention's key and value as copies: _core.mha then projects them
-    # apart, which must give the same bits.)
-    q, k, v = (np.asarray(x) if batch_first else np.asarray(x).transpose(1, 0, 2) for x in args)
-    if self_attention:
-        k, v = k.copy(), v.copy()
-    Sp = k.shape[1] + (params["bias_k"] is not None) + bool(params["add_zero_attn"])
-    expected_out = np.empty((q.shape[0], q.shape[1], E), q.dtype)
-    expected_weights = None
-    if need_weights is True:
-        shape = (q.shape[0], q.shape[1], Sp) if average is True else (q.shape[0], heads, q.shape[1], Sp)
-        expected_weights = np.empty(shape, q.dtype)
-    _core.mha(heads, q, k, v, params["w_q"], params["w_k"], params["w_v"], params["b_q"], params["b_k"],
-              params["b_v"], params["bias_k"], params["bias_v"], bool(params["add_zero_attn"]), None, None,
-              None, None, bool(causal), params["w_out"], params["b_out"], expected_out, expected_weights,
-              average is True, bool(bottom_right))
+    # (Self-attention's key and value as copies: the core then projects them apart, which
+    # must give the same bits.)
+    # (Converted as the Python rules convert inputs that are not canonical.)
+    canonical = [np.array(x, dtype=dtype, order="C", copy=True) for x in args]
+    q, k, v = (x if batch_first else x.transpose(1, 0, 2) for x in canonical)
+    options = _core.MhaOptions(bool(causal), bool(causal) and bool(bottom_right), bool(need_weights), bool(average), True)
+    expected_out, expected_weights = _testing.run_mha(plan, (q, k, v, None, None, None, None), options)
     got_out = out if batch_first else out.transpose(1, 0, 2)
     if not np.array_equal(got_out, expected_out, equal_nan=True):
-        raise Disallowed("_core.MhaPlan(): output differs from _core.mha's")
+        raise Disallowed("_core.mha: output differs from the core's on the canonical arrays")
     if (weights is None) != (expected_weights is None) or (
             weights is not None and not np.array_equal(weights, expected_weights, equal_nan=True)):
-        raise Disallowed("_core.MhaPlan(): weights differ from _core.mha's")
-    OUTCOMES["_core.MhaPlan(): result checked"] += 1
+        raise Disallowed("_core.mha: weights differ from the core's on the canonical arrays")
+    OUTCOMES["_core.mha: result checked"] += 1
     if self_attention:
-        OUTCOMES["_core.MhaPlan(): self-attention checked"] += 1
+        OUTCOMES["_core.mha: self-attention checked"] += 1
 
 
 def held(cache):

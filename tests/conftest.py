@@ -47,6 +47,26 @@ def core_sdpa(query, key, value, attn_mask, causal, scale, out, weights):
     return _testing.run_sdpa(query, key, value, attn_mask, options, out, weights)
 
 
+def core_mha(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, add_zero_attn,
+             static_k, static_v, attn_mask, key_padding_mask, causal, w_out, b_out, out, weights,
+             average_weights, bottom_right=False):
+    """The core's forward pass on canonical (N, L, E) arrays (``attnx._testing.run_mha``), with
+    the parameters checked by ``_core.MhaWeights`` (of the query's dtype); the results are
+    copied into ``out`` and ``weights`` (when given)."""
+    from attnx import _core, _testing
+
+    dtype = np.dtype(np.float64 if getattr(query, "dtype", None) == np.float64 else np.float32)
+    in_biases = None if b_q is None and b_k is None and b_v is None else (b_q, b_k, b_v)
+    bias_kv = None if bias_k is None and bias_v is None else (bias_k, bias_v)
+    params = _core.MhaWeights(num_heads, (w_q, w_k, w_v), in_biases, (w_out, b_out), bias_kv, add_zero_attn, dtype)
+    options = _core.MhaOptions(causal, bottom_right, weights is not None, average_weights, True)
+    call = (query, key, value, attn_mask, key_padding_mask, static_k, static_v)
+    result, probabilities = _testing.run_mha(params, call, options)
+    out[...] = result
+    if weights is not None:
+        weights[...] = probabilities
+
+
 # ---------------------------------------------------------------------------------------------
 # Shards
 # ---------------------------------------------------------------------------------------------

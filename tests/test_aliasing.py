@@ -13,7 +13,7 @@ import pytest
 
 import attnx
 from attnx import _core
-from conftest import core_sdpa, DTYPE_IDS, DTYPES, mha_args, mha_mask, randn, sdpa_mask
+from conftest import core_mha, core_sdpa, DTYPE_IDS, DTYPES, mha_args, mha_mask, randn, sdpa_mask
 
 
 def snapshot(arrays):
@@ -146,6 +146,6 @@ def test_core_functions_write_only_their_outputs(rng):
     w = randn(rng, (8, 8), f)
     snap = snapshot([x, w])
     out = np.empty((2, 5, 8), f)
-    _core.mha(2, x, x, x, w, w, w, None, None, None, None, None, False, None, None, None, None, False,
+    core_mha(2, x, x, x, w, w, w, None, None, None, None, None, False, None, None, None, None, False,
               w, None, out, None, True)
     assert_untouched(snap)

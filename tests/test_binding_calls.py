@@ -1,7 +1,7 @@
 """The Python layer calls the compiled core with positional arguments only.
 
 Given any keyword, pybind11 makes and interns a string for each parameter name of the call
-(20 for _core.mha) and frees them again: time spent on every call, and churn in the
+(one per parameter) and frees them again: time spent on every call, and churn in the
 interpreter's table of interned strings, which then grows by megabytes at some later call
 (the leak checks saw 1.9 MB appear after 20 000 calls of multi_head_attention_forward).
 """
@@ -24,10 +24,7 @@ class _PositionalOnly:
     def __call__(self, *args, **kwargs):
         if kwargs:
             self._seen.append((self._name, sorted(kwargs)))
-        result = self._target(*args, **kwargs)
-        if self._name == "MhaPlan":  # the plan's own calls go through the core too
-            return _PositionalOnly(result, "MhaPlan.__call__", self._seen)
-        return result
+        return self._target(*args, **kwargs)
 
 
 class _CoreProxy:

@@ -31,7 +31,7 @@ import pytest
 import attnx
 from _hardening import record, scaled, under_address_sanitizer
 from attnx import _core
-from conftest import core_sdpa, assert_identical, mha_args, mha_mask, randn, sdpa_mask
+from conftest import core_mha, core_sdpa, assert_identical, mha_args, mha_mask, randn, sdpa_mask
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
 
@@ -101,7 +101,7 @@ def _core_mha(d):
     N, L, S = q.shape[0], q.shape[1], k.shape[1]
     out = np.empty((N, L, E), q.dtype)
     weights = np.empty((N, L, S), q.dtype)
-    _core.mha(4, q, k, v, w[:E], w[E:2 * E], w[2 * E:], b[:E], b[E:2 * E], b[2 * E:], None, None,
+    core_mha(4, q, k, v, w[:E], w[E:2 * E], w[2 * E:], b[:E], b[E:2 * E], b[2 * E:], None, None,
               False, None, None, None, None, True, a["out_proj_weight"], a["out_proj_bias"], out,
               weights, True)
     return out, weights

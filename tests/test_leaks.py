@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import attnx
-from conftest import core_sdpa
+from conftest import core_mha, core_sdpa
 from _hardening import malloc_in_use_bytes, record, rss_bytes, scaled, under_address_sanitizer
 from attnx import _core
 
@@ -63,8 +63,8 @@ def mha(**over):
     return attnx.multi_head_attention_forward(X, X, X, **kw)
 
 
-def core_mha(out=MHA_OUT, num_heads=2):
-    _core.mha(num_heads, XC, XC, XC, W[:8], W[8:16], W[16:], B[:8], B[8:16], B[16:], None, None, True,
+def _core_mha(out=MHA_OUT, num_heads=2):
+    core_mha(num_heads, XC, XC, XC, W[:8], W[8:16], W[16:], B[:8], B[8:16], B[16:], None, None, True,
               None, None, None, None, True, WO, None, out, MHA_W, True)
 
 
@@ -113,9 +113,9 @@ ENTRIES = {
     "set_num_threads raises": (lambda: attnx.set_num_threads(0), ValueError),
     "_core.sdpa": (lambda: core_sdpa(Q, K, V, None, True, 0.5, OUT, WEIGHTS), None),
     "_core.sdpa raises": (lambda: core_sdpa(Q, K, V, None, False, 0.5, WEIGHTS, None), ValueError),
-    "_core.sdpa_plain": (lambda: attnx.scaled_dot_product_attention(Q, K, V), None),
-    "_core.mha": (core_mha, None),
-    "_core.mha raises": (lambda: core_mha(num_heads=3), ValueError),
+    "sdpa, canonical inputs": (lambda: attnx.scaled_dot_product_attention(Q, K, V), None),
+    "_core.mha": (_core_mha, None),
+    "_core.mha raises": (lambda: _core_mha(num_heads=3), ValueError),
     "sdpa bottom-right, window": (
         lambda: attnx.scaled_dot_product_attention(Q, K, V, is_causal="bottom_right", window=(2, 0)), None),
     "sdpa float16 keys/values": (lambda: attnx.scaled_dot_product_attention(Q, K16, V16), None),

@@ -13,26 +13,15 @@
 #include "attention/cache_line_array.h"
 #include "attention/projection.h"
 #include "attention/self_attention_few_rows.h"
+#include "attention/mha_shared.h"
 #include "attnx/attention.h"
 
 namespace attnx {
 namespace {
 
-// An uninitialised array of T (std::vector would zero-fill it), starting on
-// a cache line: the rows of the heads' keys and values in it then start on
-// lines too where the head dim allows, and sdpa reads them in place (see
-// AlignedValues).
-template <typename T>
-class Buffer {
- public:
-  Buffer() = default;
-  explicit Buffer(size_t size) : data_(cache_line_array<T>(size)) {}
-  T* data() { return data_.get(); }
-  const T* data() const { return data_.get(); }
-
- private:
-  CacheLineArray<T> data_;
-};
+using mha::as_const;
+using mha::Buffer;
+using mha::heads_view;
 
 // Keys (or values) as sdpa reads them: a (N, H, S', hd) view, backed either
 // by the caller's static array or by `storage`.
@@ -79,19 +68,6 @@ StridedView<const T, 4> build_keys(const StridedView<const T, 3>& input,
   return view;
 }
 
-// Columns [offset, offset + E) of a contiguous (N, L, row) buffer seen as
-// (N, H, L, hd).
-template <typename U>
-StridedView<U, 4> heads_view(U* data, int64_t N, int64_t L, int64_t E, int64_t H,
-                             int64_t row = 0, int64_t offset = 0) {
-  if (row == 0) row = E;
-  StridedView<U, 4> v;
-  v.data = data + offset;
-  v.shape[0] = N, v.shape[1] = H, v.shape[2] = L, v.shape[3] = E / H;
-  v.stride[0] = L * row, v.stride[1] = E / H, v.stride[2] = row, v.stride[3] = 1;
-  return v;
-}
-
 template <typename T, int Rank>
 bool same_view(const StridedView<T, Rank>& a, const StridedView<T, Rank>& b) {
   if (a.data != b.data || a.batch_offsets || b.batch_offsets) return false;
@@ -120,23 +96,7 @@ bool stacked_self_projection(const MhaArgs<T>& a) {
   const bool plain_keys = !a.static_k.present() && !a.static_v.present() && !a.bias_k &&
                           !a.bias_v && !a.add_zero_attn;
   const bool self = same_view(a.key, a.query) && same_view(a.value, a.query);
-  const RowMajorView<const T>& q = a.w_q;
-  const bool weights = a.w_k.rows == E && a.w_v.rows == E && a.w_k.cols == q.cols &&
-                       a.w_v.cols == q.cols && a.w_k.row_stride == q.row_stride &&
-                       a.w_v.row_stride == q.row_stride && a.w_k.data == q.row(E) &&
-                       a.w_v.data == q.row(2 * E);
-  const bool biases = (!a.b_q && !a.b_k && !a.b_v) ||
-                      (a.b_q && a.b_k == a.b_q + E && a.b_v == a.b_q + 2 * E);
-  return plain_keys && self && weights && biases;
-}
-
-template <typename T>
-StridedView<const T, 3> as_const(const StridedView<T, 3>& v) {
-  StridedView<const T, 3> c;
-  c.data = v.data;
-  std::copy_n(v.shape, 3, c.shape);
-  std::copy_n(v.stride, 3, c.stride);
-  return c;
+  return plain_keys && self && a.stacked();
 }
 
 }  // namespace
@@ -155,13 +115,7 @@ void mha_forward(const MhaArgs<T>& a) {
   if (stacked) {
     // (N, L, 3E): q, k and v side by side in each row.
     q_storage = Buffer<T>(size_t(N * L * 3 * E));
-    StridedView<T, 3> qkv;
-    qkv.data = q_storage.data();
-    qkv.shape[0] = N, qkv.shape[1] = L, qkv.shape[2] = 3 * E;
-    qkv.stride[0] = L * 3 * E, qkv.stride[1] = 3 * E, qkv.stride[2] = 1;
-    RowMajorView<const T> w_qkv = a.w_q;
-    w_qkv.rows = 3 * E;
-    linear_forward(a.query, w_qkv, a.b_q, qkv);
+    mha::project_self<T>(a, a.query, q_storage.data());
     queries = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 0);
     keys = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, E);
     values = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 2 * E);

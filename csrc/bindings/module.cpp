@@ -9,8 +9,8 @@
 namespace py = pybind11;
 
 namespace attnx::bindings {
-void register_attention(py::module_& m);
-void register_mha_plan(py::module_& m);
+void register_mha(py::module_& m);
+void register_mha_testing(py::module_& testing);
 void register_runtime(py::module_& m);
 void register_sdpa(py::module_& m);
 void register_sdpa_testing(py::module_& testing);
@@ -29,13 +29,13 @@ PYBIND11_MODULE(_core, m) {
     PyErr_SetString(PyExc_ValueError, e.what());
     throw py::error_already_set();
   }
-  attnx::bindings::register_attention(m);
-  attnx::bindings::register_mha_plan(m);
+  attnx::bindings::register_mha(m);
   attnx::bindings::register_runtime(m);
   attnx::bindings::register_sdpa(m);
   py::module_ testing = m.def_submodule(
       "_testing", "Hooks for attnx's own tests (private, no API; see attnx._testing).");
   attnx::bindings::register_testing(testing);
   attnx::bindings::register_sdpa_testing(testing);
+  attnx::bindings::register_mha_testing(testing);
   attnx::bindings::register_testing_planner(testing);
 }

@@ -22,6 +22,7 @@ from ._arrays import (
     as_bool_flag,
     as_finite_scale,
     as_float,
+    as_lengths,
     causal_mode,
     check_out,
     kernel_layout,
@@ -164,3 +165,267 @@ def sdpa_call(query, key, value, attn_mask, options, out) -> tuple:
     computed = out if result_dtype == dtype else np.empty(result_shape, dtype)
     target = computed.reshape(q4.shape[:3] + (Ev,))
     return kernel_layout(q4), kernel_layout(k4), kernel_layout(v4), mask4, target, computed, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head attention
+# ---------------------------------------------------------------------------------------------
+
+
+def mha_options(is_causal, need_weights, average_attn_weights, batch_first, attn_mask) -> "_core.MhaOptions":
+    """The checked flags of a multi-head attention call.
+
+    With an attn_mask, is_causal is a hint (as in torch's module): the mask is used as given.
+    """
+    causal, bottom_right = causal_mode(is_causal)
+    causal = causal and attn_mask is None
+    return _core.MhaOptions(
+        causal,
+        causal and bottom_right,
+        as_bool_flag(need_weights, "need_weights"),
+        as_bool_flag(average_attn_weights, "average_attn_weights"),
+        as_bool_flag(batch_first, "batch_first"),
+    )
+
+
+def _parameter(x, dtype, name, shape) -> np.ndarray:
+    """A weight or bias in the compute dtype with exactly `shape` (None in `shape`: any extent)."""
+    a = as_float(x, dtype, name)
+    if a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape)):
+        expected = "(" + ", ".join("any" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+        raise ValueError(f"{name} must have shape {expected}, got {shape_str(a.shape)}")
+    return kernel_layout(a)
+
+
+def _projections(p: dict, E: int, dtype) -> tuple:
+    """(w_q, w_k, w_v): views into the packed in_proj_weight, or the separate weights."""
+    if p.get("use_separate_proj_weight"):
+        names = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+        for name in names:
+            if p.get(name) is None:
+                raise ValueError(f"use_separate_proj_weight=True requires {name}")
+        return tuple(_parameter(p[name], dtype, name, (E, E if name[0] == "q" else None)) for name in names)
+    if p.get("in_proj_weight") is None:
+        raise ValueError("in_proj_weight is required unless use_separate_proj_weight=True")
+    w_in = _parameter(p["in_proj_weight"], dtype, "in_proj_weight", (3 * E, E))
+    return w_in[:E], w_in[E : 2 * E], w_in[2 * E :]
+
+
+def mha_weights(p: dict, num_heads: int, E: int, dtype, result_dtype) -> "_core.MhaWeights":
+    """The parameters of multi-head attention (torch's names in `p`), checked once.
+
+    `dtype` is the compute dtype (the parameters are converted to it) and `result_dtype` the
+    dtype results are returned in.
+    """
+    if E == 0 or E % num_heads != 0:
+        raise ValueError(f"embed_dim ({E}) must be a positive multiple of num_heads ({num_heads})")
+    projections = _projections(p, E, dtype)
+    in_biases = None
+    if p.get("in_proj_bias") is not None:
+        b_in = _parameter(p["in_proj_bias"], dtype, "in_proj_bias", (3 * E,))
+        in_biases = (b_in[:E], b_in[E : 2 * E], b_in[2 * E :])
+    if p.get("out_proj_weight") is None:
+        raise ValueError("out_proj_weight is required")
+    # As torch, the output projection may change the width: (E_out, E).
+    w_out = _parameter(p["out_proj_weight"], dtype, "out_proj_weight", (None, E))
+    b_out = p.get("out_proj_bias")
+    b_out = None if b_out is None else _parameter(b_out, dtype, "out_proj_bias", (w_out.shape[0],))
+    bias_k, bias_v = p.get("bias_k"), p.get("bias_v")
+    if (bias_k is None) != (bias_v is None):
+        raise ValueError("bias_k and bias_v must both be given or both be None")
+    bias_kv = None
+    if bias_k is not None:
+        pair = []
+        for name, b in (("bias_k", bias_k), ("bias_v", bias_v)):
+            b = as_float(b, dtype, name)
+            if b.size != E:
+                raise ValueError(f"{name} must have {E} elements (shape (1, 1, {E})), got shape {shape_str(b.shape)}")
+            pair.append(kernel_layout(b.reshape(E)))
+        bias_kv = tuple(pair)
+    add_zero_attn = as_bool_flag(p.get("add_zero_attn", False), "add_zero_attn")
+    return _core.MhaWeights(
+        num_heads, projections, in_biases, (w_out, b_out), bias_kv, add_zero_attn, np.dtype(result_dtype)
+    )
+
+
+def _mha_ranks(query, key, value, key_padding_mask, attn_mask) -> bool:
+    """torch's rules for batched (3-D) and unbatched (2-D) inputs; returns batched."""
+    if query.ndim not in (2, 3):
+        raise ValueError(f"query must be 2-D (unbatched) or 3-D (batched), got shape {shape_str(query.shape)}")
+    batched = query.ndim == 3
+    kind, rank = ("a batched (3-D)", 3) if batched else ("an unbatched (2-D)", 2)
+    if key.ndim != rank or value.ndim != rank:
+        raise ValueError(
+            f"for {kind} query, key and value must be {rank}-D: query {shape_str(query.shape)}, "
+            f"key {shape_str(key.shape)}, value {shape_str(value.shape)}"
+        )
+    if key_padding_mask is not None and np.ndim(key_padding_mask) != rank - 1:
+        form = "2-D (N, S)" if batched else "1-D (S,)"
+        raise ValueError(
+            f"for {kind} query, key_padding_mask must be {form}, got shape {shape_str(np.shape(key_padding_mask))}"
+        )
+    if attn_mask is not None and np.ndim(attn_mask) not in (2, 3):
+        heads = "N*num_heads" if batched else "num_heads"
+        raise ValueError(
+            f"attn_mask must be 2-D (L, S) or 3-D ({heads}, L, S), got shape {shape_str(np.shape(attn_mask))}"
+        )
+    return batched
+
+
+def _mha_statics(static_k, static_v, dtype, N, H, head_dim, S, has_bias_kv) -> tuple:
+    """static_k / static_v as (N, H, S_static, head_dim) views, and the source length S_src."""
+    statics = []
+    for name, st in (("static_k", static_k), ("static_v", static_v)):
+        if st is not None:
+            if has_bias_kv:
+                raise ValueError("bias_k/bias_v cannot be added to static_k/static_v")
+            st = as_float(st, dtype, name)
+            if st.ndim != 3 or st.shape[0] != N * H or st.shape[2] != head_dim:
+                raise ValueError(
+                    f"{name} must have shape (N*num_heads, S, head_dim) = ({N * H}, S, {head_dim}), "
+                    f"got {shape_str(st.shape)}"
+                )
+            st = kernel_layout(st.reshape(N, H, st.shape[1], head_dim))
+        statics.append(st)
+    S_k = S if statics[0] is None else statics[0].shape[2]
+    S_v = S if statics[1] is None else statics[1].shape[2]
+    if S_k != S_v:
+        raise ValueError(f"keys and values have different lengths: {S_k} and {S_v} (check static_k/static_v)")
+    return statics[0], statics[1], S_k
+
+
+def _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src) -> tuple:
+    """The masks as additive (N, H, L, S_src) views of their own storage."""
+    kpm = am = None
+    if key_padding_mask is not None:
+        kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask", true_means_masked=True)
+        if not batched:
+            kpm = kpm[None]
+        if kpm.shape != (N, S_src):
+            raise ValueError(
+                f"key_padding_mask must have shape (N, S) = {shape_str((N, S_src))}, got {shape_str(np.shape(key_padding_mask))}"
+            )
+        kpm = np.broadcast_to(kpm[:, None, None, :], (N, H, L, S_src))
+    if attn_mask is not None:
+        am = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=True)
+        if am.ndim == 2:
+            if am.shape != (L, S_src):
+                raise ValueError(f"2-D attn_mask must have shape (L, S) = {shape_str((L, S_src))}, got {shape_str(am.shape)}")
+            am = np.broadcast_to(am, (N, H, L, S_src))
+        else:
+            if am.shape != (N * H, L, S_src):
+                raise ValueError(
+                    f"3-D attn_mask must have shape (N*num_heads, L, S) = {shape_str((N * H, L, S_src))}, "
+                    f"got {shape_str(am.shape)}"
+                )
+            am = am.reshape(N, H, L, S_src)
+    return am, kpm
+
+
+def mha_call(weights, query, key, value, extras, options) -> tuple:
+    """The canonical call of multi-head attention's forward pass.
+
+    ``extras`` is None or ``(attn_mask, key_padding_mask, static_k, static_v)`` as given.
+    Returns ``(query, key, value, attn_mask, key_padding_mask, static_k, static_v, finish)``:
+    (N, L, dim) operands in the weights' dtype, (N, H, L, S) additive masks and
+    (N, H, S, head_dim) static keys and values or None, and ``finish(out, weights)``, which
+    gives the result from the core's (out, weights) (unbatched, in the result's dtype).
+    """
+    attn_mask, key_padding_mask, static_k, static_v = (None,) * 4 if extras is None else extras
+    result_and_compute_dtype(query)  # non-float queries: torch's message
+    dtype = np.dtype(np.float64 if weights.dtype == np.float64 else np.float32)
+    q, k, v = (as_float(x, dtype, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
+    batched = _mha_ranks(q, k, v, key_padding_mask, attn_mask)
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    elif not options.batch_first:
+        q, k, v = (x.transpose(1, 0, 2) for x in (q, k, v))
+    (N, L, E), S = q.shape, k.shape[1]
+    if E != weights.embed_dim:
+        raise ValueError(f"query has {E} features, the parameters take embed_dim = {weights.embed_dim} (query {shape_str(np.shape(query))})")
+    if k.shape[0] != N or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"key and value must have the query's batch size and the same length: query {shape_str(np.shape(query))}, "
+            f"key {shape_str(np.shape(key))}, value {shape_str(np.shape(value))}"
+        )
+    for name, x, width, weight in (("key", k, weights.kdim, "k_proj_weight"), ("value", v, weights.vdim, "v_proj_weight")):
+        if x.shape[2] != width:
+            raise ValueError(
+                f"{name} has {x.shape[2]} features, but {weight} (or the packed in_proj_weight) takes {width}: "
+                f"{name} {shape_str(x.shape)}; with a key or value width other than embed_dim, use "
+                f"use_separate_proj_weight=True"
+            )
+    H = weights.num_heads
+    static_k, static_v, S_src = _mha_statics(static_k, static_v, dtype, N, H, E // H, S, weights.bias_kv)
+    am, kpm = _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src)
+    result_dtype = weights.dtype
+
+    def finish(out, attn_weights):
+        if not batched:
+            out = out[0] if options.batch_first else out[:, 0]
+            attn_weights = None if attn_weights is None else attn_weights[0]
+        if result_dtype != dtype:  # half-precision results: computed in float32, returned as given
+            out = out.astype(result_dtype)
+            attn_weights = None if attn_weights is None else attn_weights.astype(result_dtype)
+        return out, attn_weights
+
+    q, k, v = (kernel_layout(x) for x in (q, k, v))
+    return q, k, v, am, kpm, static_k, static_v, finish
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding step
+# ---------------------------------------------------------------------------------------------
+
+
+def _step_rows(x, cache, batch_first: bool) -> tuple:
+    """(rows, result shape without E_out, tokens): the new tokens as (B * T, E) rows in the
+    query's own order, (t, b) or (b, t), by torch's layout rules."""
+    B = cache.batch
+    if x.ndim == 2:
+        if B != 1:
+            raise ValueError(f"an unbatched (2-D) query {shape_str(x.shape)} needs a cache of batch 1, got {cache!r}")
+        T = x.shape[0]
+        return kernel_layout(x), (T,), T
+    if x.ndim != 3:
+        raise ValueError(f"query must be 2-D (T, E) or 3-D (T, batch, E) / (batch, T, E), got shape {shape_str(x.shape)}")
+    if x.shape[0 if batch_first else 1] != B:
+        raise ValueError(
+            f"query {shape_str(x.shape)} must have the cache's batch {B} in dim "
+            f"{0 if batch_first else 1} ({'(batch, T, E)' if batch_first else '(T, batch, E)'})"
+        )
+    T = x.shape[1] if batch_first else x.shape[0]
+    # A layout the core reads (a misaligned query is copied: ascontiguousarray would keep it).
+    return kernel_layout(x.reshape(-1, x.shape[2])), x.shape[:2], T
+
+
+def mha_step(weights, query, cache, lengths, batch_first: bool):
+    """One decoding step of causal self-attention over `cache` (see multi_head_attention_step).
+
+    The keys and values of the new tokens are appended and the cache's lengths grow only when
+    the whole step succeeds: a failed step leaves the cache as it was.
+    """
+    from .cache import KVCache
+
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be an attnx.KVCache, got {type(cache).__name__}")
+    dtype = np.dtype(np.float64 if weights.dtype == np.float64 else np.float32)
+    rows, lead, T = _step_rows(as_float(query, dtype, "query"), cache, batch_first)
+    E, H = rows.shape[1], weights.num_heads
+    head_dim = E // H
+    if weights.bias_kv or weights.add_zero_attn or weights.kdim != E or weights.vdim != E:
+        raise ValueError("a decoding step is self-attention: no bias_k/bias_v, zero attention or kdim/vdim")
+    if (cache.num_kv_heads, cache.head_dim, cache.value_dim) != (H, head_dim, head_dim):
+        raise ValueError(
+            f"cache must have num_kv_heads = num_heads = {H} and head_dim = value_dim = "
+            f"E // num_heads = {head_dim} for a query of width {E}, got {cache!r}"
+        )
+    n = None if lengths is None else as_lengths(lengths, cache.batch, T, "lengths", f"T = {T}, the query's tokens per sequence")
+    if rows.shape[0] == 0:
+        return np.zeros(lead + (weights.out_dim,), weights.dtype)
+    cache.check_room(np.full(cache.batch, T, np.int64) if n is None else n)
+    out = _core.mha_step(weights, rows, cache, n, _STEP_OPTIONS[batch_first]).reshape(lead + (weights.out_dim,))
+    return out if out.dtype == weights.dtype else out.astype(weights.dtype)
+
+
+_STEP_OPTIONS = tuple(_core.MhaOptions(True, True, False, False, batch_first) for batch_first in (False, True))

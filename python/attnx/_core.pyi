@@ -39,60 +39,56 @@ def cached_attention(
     options: SdpaOptions,
     out: npt.NDArray[np.floating],
 ) -> None: ...
-def mha(
-    num_heads: int,
-    query: npt.NDArray[np.floating],
-    key: npt.NDArray[np.floating],
-    value: npt.NDArray[np.floating],
-    w_q: npt.NDArray[np.floating],
-    w_k: npt.NDArray[np.floating],
-    w_v: npt.NDArray[np.floating],
-    b_q: npt.NDArray[np.floating] | None,
-    b_k: npt.NDArray[np.floating] | None,
-    b_v: npt.NDArray[np.floating] | None,
-    bias_k: npt.NDArray[np.floating] | None,
-    bias_v: npt.NDArray[np.floating] | None,
-    add_zero_attn: bool,
-    static_k: npt.NDArray[np.floating] | None,
-    static_v: npt.NDArray[np.floating] | None,
-    attn_mask: npt.NDArray[np.floating] | None,
-    key_padding_mask: npt.NDArray[np.floating] | None,
-    causal: bool,
-    w_out: npt.NDArray[np.floating],
-    b_out: npt.NDArray[np.floating] | None,
-    out: npt.NDArray[np.floating],
-    weights: npt.NDArray[np.floating] | None,
-    average_weights: bool,
-    bottom_right: bool = False,
-) -> None: ...
-class MhaPlan:
+class MhaOptions:
+    def __init__(
+        self,
+        causal: bool,
+        bottom_right: bool,
+        need_weights: bool,
+        average_weights: bool,
+        batch_first: bool,
+    ) -> None: ...
+    causal: bool
+    bottom_right: bool
+    need_weights: bool
+    average_weights: bool
+    batch_first: bool
+
+class MhaWeights:
     def __init__(
         self,
         num_heads: int,
-        w_q: npt.NDArray[np.floating],
-        w_k: npt.NDArray[np.floating],
-        w_v: npt.NDArray[np.floating],
-        b_q: npt.NDArray[np.floating] | None,
-        b_k: npt.NDArray[np.floating] | None,
-        b_v: npt.NDArray[np.floating] | None,
-        bias_k: npt.NDArray[np.floating] | None,
-        bias_v: npt.NDArray[np.floating] | None,
+        projections: tuple,
+        in_biases: object,
+        out_projection: tuple,
+        bias_kv: object,
         add_zero_attn: bool,
-        w_out: npt.NDArray[np.floating],
-        b_out: npt.NDArray[np.floating] | None,
-        batch_first: bool,
+        dtype: np.dtype,
     ) -> None: ...
-    def __call__(
-        self,
-        query: object,
-        key: object,
-        value: object,
-        need_weights: object,
-        average_weights: object,
-        causal: bool,
-        bottom_right: bool,
-    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating] | None] | None: ...
+    dtype: np.dtype
+    num_heads: int
+    embed_dim: int
+    out_dim: int
+    kdim: int
+    vdim: int
+    bias_kv: bool
+    add_zero_attn: bool
 
+def mha(
+    weights: object,
+    query: object,
+    key: object,
+    value: object,
+    extras: object,
+    options: object,
+) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating] | None]: ...
+def mha_step(
+    weights: MhaWeights,
+    rows: npt.NDArray[np.floating],
+    cache: object,
+    lengths: npt.NDArray[np.int64] | None,
+    options: object,
+) -> npt.NDArray[np.floating]: ...
 def linear(
     x: npt.NDArray[np.floating],
     w: npt.NDArray[np.floating],
@@ -110,6 +106,12 @@ def compiler() -> str: ...
 
 class _TestingModule:
     """The submodule attnx._core._testing: hooks for attnx's tests (attnx._testing)."""
+    @staticmethod
+    def run_mha(
+        weights: MhaWeights, call: tuple, options: object
+    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating] | None]: ...
+    @staticmethod
+    def fail_next_step(stage: str) -> None: ...
     @staticmethod
     def plan_sdpa(
         call: dict, query_tile: int, vector_width: int, threads: int

@@ -10,12 +10,16 @@ from ._core import _testing as _hooks
 trace_balanced_loop = _hooks.trace_balanced_loop
 widen_16bit = _hooks.widen_16bit
 run_sdpa = _hooks.run_sdpa
+run_mha = _hooks.run_mha
+fail_next_step = _hooks.fail_next_step
 plan_sdpa = _hooks.plan_sdpa
 sdpa_work = _hooks.sdpa_work
 kernel_facts = _hooks.kernel_facts
 planner_constants = _hooks.planner_constants
 
 __all__ = [
+    "fail_next_step",
+    "run_mha",
     "kernel_facts",
     "plan_sdpa",
     "planner_constants",

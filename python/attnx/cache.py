@@ -234,14 +234,7 @@ class KVCache:
             new = np.full(self._batch, T, np.int64)
         else:
             new = as_lengths(lengths, self._batch, T, "lengths", f"T = {T}, the new tokens per sequence")
-        total = self._lengths + new
-        if total.max(initial=0) > self._max_len:
-            full = [int(b) for b in np.nonzero(total > self._max_len)[0]]
-            raise ValueError(
-                f"appending lengths {new.tolist()} to a cache of max_len {self._max_len} with lengths "
-                f"{self._lengths.tolist()} overflows sequence(s) {full}; nothing was written "
-                f"(reset finished sequences, or allocate a longer cache)"
-            )
+        self.check_room(new)
         start = self._lengths
         if lengths is None and (start == start[0]).all():
             # Every sequence at the same position: one block copy.
@@ -255,6 +248,23 @@ class KVCache:
                     self._key[b, :, s : s + n] = k[b, :, :n]
                     self._value[b, :, s : s + n] = v[b, :, :n]
         self._lengths += new
+
+    def check_room(self, new) -> None:
+        """Raise ValueError unless each sequence ``b`` has room for ``new[b]`` more tokens.
+
+        Parameters
+        ----------
+        new : ndarray of int64, shape (batch,)
+            Tokens about to be appended to each sequence.
+        """
+        total = self._lengths + new
+        if total.max(initial=0) > self._max_len:
+            full = [int(b) for b in np.nonzero(total > self._max_len)[0]]
+            raise ValueError(
+                f"appending lengths {new.tolist()} to a cache of max_len {self._max_len} with lengths "
+                f"{self._lengths.tolist()} overflows sequence(s) {full}; nothing was written "
+                f"(reset finished sequences, or allocate a longer cache)"
+            )
 
     def storage(self) -> CacheStorage:
         """The live arrays the kernels read and write, for code that decodes over the cache.

@@ -16,7 +16,7 @@ import numpy as np
 # parameter's name up among the keywords, making and interning a string a parameter, and the
 # interpreter's table of interned strings then grows at unpredictable calls.
 from . import _core
-from ._canonical import sdpa_options
+from ._canonical import mha_options, mha_step, mha_weights, sdpa_options
 from ._arrays import (
     CAUSAL_CHOICES,
     additive_mask,
@@ -117,51 +117,6 @@ def scaled_dot_product_attention(
     return _core.sdpa(query, key, value, attn_mask, options, out)
 
 
-def _check_mha_ranks(query, key, value, key_padding_mask, attn_mask, num_heads) -> bool:
-    """torch's rules for batched (3-D) and unbatched (2-D) inputs; returns batched."""
-    if query.ndim == 3:
-        if key.ndim != 3 or value.ndim != 3:
-            raise ValueError(
-                f"for a batched (3-D) query, key and value must be 3-D: query {shape_str(query.shape)}, "
-                f"key {shape_str(key.shape)}, value {shape_str(value.shape)}"
-            )
-        if key_padding_mask is not None and np.ndim(key_padding_mask) != 2:
-            raise ValueError(
-                f"for a batched (3-D) query, key_padding_mask must be 2-D (N, S), got shape "
-                f"{shape_str(np.shape(key_padding_mask))}"
-            )
-        if attn_mask is not None and np.ndim(attn_mask) not in (2, 3):
-            raise ValueError(
-                f"attn_mask must be 2-D (L, S) or 3-D (N*num_heads, L, S), got shape {shape_str(np.shape(attn_mask))}"
-            )
-        return True
-    if query.ndim == 2:
-        if key.ndim != 2 or value.ndim != 2:
-            raise ValueError(
-                f"for an unbatched (2-D) query, key and value must be 2-D: query {shape_str(query.shape)}, "
-                f"key {shape_str(key.shape)}, value {shape_str(value.shape)}"
-            )
-        if key_padding_mask is not None and np.ndim(key_padding_mask) != 1:
-            raise ValueError(
-                f"for an unbatched (2-D) query, key_padding_mask must be 1-D (S,), got shape "
-                f"{shape_str(np.shape(key_padding_mask))}"
-            )
-        if attn_mask is not None and np.ndim(attn_mask) not in (2, 3):
-            raise ValueError(
-                f"attn_mask must be 2-D (L, S) or 3-D (num_heads, L, S), got shape {shape_str(np.shape(attn_mask))}"
-            )
-        return False
-    raise ValueError(f"query must be 2-D (unbatched) or 3-D (batched), got shape {shape_str(query.shape)}")
-
-
-def _param(x, dtype, name, shape) -> np.ndarray:
-    """A weight or bias as the compute dtype, with exactly `shape`."""
-    a = as_float(x, dtype, name)
-    if a.shape != shape:
-        raise ValueError(f"{name} must have shape {shape_str(shape)}, got {shape_str(a.shape)}")
-    return a
-
-
 def multi_head_attention_forward(
     query,
     key,
@@ -260,16 +215,26 @@ def multi_head_attention_forward(
     output row equals ``out_proj_bias``) and zero weights, where torch gives NaN.
     """
     result_dtype, dtype = result_and_compute_dtype(query)
-    q = as_float(query, dtype, "query")
-    k = as_float(key, dtype, "key")
-    v = as_float(value, dtype, "value")
     training = as_bool_flag(training, "training")
-    need_weights = as_bool_flag(need_weights, "need_weights")
-    add_zero_attn = as_bool_flag(add_zero_attn, "add_zero_attn")
-    average_attn_weights = as_bool_flag(average_attn_weights, "average_attn_weights")
-    use_separate_proj_weight = as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight")
-    causal, bottom_right = causal_mode(is_causal)
-    batch_first = as_bool_flag(batch_first, "batch_first")
+    _check_dropout(dropout_p, training)
+    num_heads = as_positive_int(num_heads, "num_heads")
+    E = np.shape(query)[-1] if np.ndim(query) else 0
+    if embed_dim_to_check != E:
+        raise ValueError(f"embed_dim_to_check ({embed_dim_to_check}) does not match the query's last dimension ({E})")
+    params = dict(
+        in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias, bias_k=bias_k, bias_v=bias_v,
+        add_zero_attn=add_zero_attn, out_proj_weight=out_proj_weight, out_proj_bias=out_proj_bias,
+        use_separate_proj_weight=as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight"),
+        q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight,
+    )
+    weights = mha_weights(params, num_heads, E, dtype, result_dtype)
+    options = mha_options(is_causal, need_weights, average_attn_weights, batch_first, attn_mask)
+    extras = (attn_mask, key_padding_mask, static_k, static_v)
+    return _core.mha(weights, query, key, value, None if all(x is None for x in extras) else extras, options)
+
+
+def _check_dropout(dropout_p, training: bool) -> None:
+    """attnx computes inference: dropout only as 0.0, or when not training."""
     try:
         dropout_p = float(dropout_p)
     except (TypeError, ValueError):
@@ -280,161 +245,6 @@ def multi_head_attention_forward(
         raise NotImplementedError(
             "attention dropout is not supported (attnx is for inference): pass dropout_p=0.0 or training=False"
         )
-    num_heads = as_positive_int(num_heads, "num_heads")
-
-    batched = _check_mha_ranks(q, k, v, key_padding_mask, attn_mask, num_heads)
-    if batched:
-        # Canonical (N, L, E) views; the output is written through the same transpose.
-        if not batch_first:
-            q, k, v = (x.transpose(1, 0, 2) for x in (q, k, v))
-    else:
-        q, k, v = q[None], k[None], v[None]
-    N, L, E = q.shape
-    S = k.shape[1]
-    kdim, vdim = k.shape[2], v.shape[2]
-
-    if embed_dim_to_check != E:
-        raise ValueError(f"embed_dim_to_check ({embed_dim_to_check}) does not match the query's last dimension ({E})")
-    if E == 0 or E % num_heads != 0:
-        raise ValueError(f"embed_dim ({E}) must be a positive multiple of num_heads ({num_heads})")
-    head_dim = E // num_heads
-    if k.shape[0] != N or v.shape[:2] != k.shape[:2]:
-        raise ValueError(
-            f"key and value must have the query's batch size and the same length: query {shape_str(np.shape(query))}, "
-            f"key {shape_str(np.shape(key))}, value {shape_str(np.shape(value))}"
-        )
-
-    # Projection weights: views into the packed in_proj_weight, or the separate ones.
-    if use_separate_proj_weight:
-        for name, w in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight), ("v_proj_weight", v_proj_weight)):
-            if w is None:
-                raise ValueError(f"use_separate_proj_weight=True requires {name}")
-        w_q = _param(q_proj_weight, dtype, "q_proj_weight", (E, E))
-        w_k = _param(k_proj_weight, dtype, "k_proj_weight", (E, kdim))
-        w_v = _param(v_proj_weight, dtype, "v_proj_weight", (E, vdim))
-    else:
-        if in_proj_weight is None:
-            raise ValueError("in_proj_weight is required unless use_separate_proj_weight=True")
-        if kdim != E or vdim != E:
-            raise ValueError(
-                f"a packed in_proj_weight needs key and value of the query's width {E}, got key "
-                f"{shape_str(np.shape(key))}, value {shape_str(np.shape(value))}; use use_separate_proj_weight=True"
-            )
-        w_in = _param(in_proj_weight, dtype, "in_proj_weight", (3 * E, E))
-        w_q, w_k, w_v = w_in[:E], w_in[E : 2 * E], w_in[2 * E :]
-    b_q = b_k = b_v = None
-    if in_proj_bias is not None:
-        b_in = _param(in_proj_bias, dtype, "in_proj_bias", (3 * E,))
-        b_q, b_k, b_v = b_in[:E], b_in[E : 2 * E], b_in[2 * E :]
-    if out_proj_weight is None:
-        raise ValueError("out_proj_weight is required")
-    # As torch, the output projection may change the width: (E_out, E).
-    w_out = as_float(out_proj_weight, dtype, "out_proj_weight")
-    if w_out.ndim != 2 or w_out.shape[1] != E:
-        raise ValueError(f"out_proj_weight must have shape (E_out, {E}), got {shape_str(w_out.shape)}")
-    E_out = w_out.shape[0]
-    b_out = None if out_proj_bias is None else _param(out_proj_bias, dtype, "out_proj_bias", (E_out,))
-
-    if (bias_k is None) != (bias_v is None):
-        raise ValueError("bias_k and bias_v must both be given or both be None")
-    if bias_k is not None:
-        if static_k is not None or static_v is not None:
-            raise ValueError("bias_k/bias_v cannot be added to static_k/static_v")
-        bias_k, bias_v = (as_float(b, dtype, name) for b, name in ((bias_k, "bias_k"), (bias_v, "bias_v")))
-        for name, b in (("bias_k", bias_k), ("bias_v", bias_v)):
-            if b.size != E:
-                raise ValueError(f"{name} must have {E} elements (shape (1, 1, {E})), got shape {shape_str(b.shape)}")
-        bias_k, bias_v = bias_k.reshape(E), bias_v.reshape(E)
-
-    statics = []
-    for name, st in (("static_k", static_k), ("static_v", static_v)):
-        if st is not None:
-            st = as_float(st, dtype, name)
-            if st.ndim != 3 or st.shape[0] != N * num_heads or st.shape[2] != head_dim:
-                raise ValueError(
-                    f"{name} must have shape (N*num_heads, S, head_dim) = ({N * num_heads}, S, {head_dim}), "
-                    f"got {shape_str(st.shape)}"
-                )
-            st = st.reshape(N, num_heads, st.shape[1], head_dim)
-        statics.append(st)
-    static_k, static_v = statics
-    S_k = S if static_k is None else static_k.shape[2]
-    S_v = S if static_v is None else static_v.shape[2]
-    if S_k != S_v:
-        raise ValueError(f"keys and values have different lengths: {S_k} and {S_v} (check static_k/static_v)")
-    S_src = S_k
-
-    # Masks, as additive (N, H, L, S_src) views of their own storage.
-    masks = {}
-    if key_padding_mask is not None:
-        kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask", true_means_masked=True)
-        if not batched:
-            kpm = kpm[None]
-        if kpm.shape != (N, S_src):
-            raise ValueError(
-                f"key_padding_mask must have shape (N, S) = {shape_str((N, S_src))}, got {shape_str(np.shape(key_padding_mask))}"
-            )
-        masks["key_padding_mask"] = np.broadcast_to(kpm[:, None, None, :], (N, num_heads, L, S_src))
-    if attn_mask is not None:
-        am = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=True)
-        if am.ndim == 2:
-            if am.shape != (L, S_src):
-                raise ValueError(
-                    f"2-D attn_mask must have shape (L, S) = {shape_str((L, S_src))}, got {shape_str(am.shape)}"
-                )
-            am = np.broadcast_to(am, (N, num_heads, L, S_src))
-        else:
-            if am.shape != (N * num_heads, L, S_src):
-                raise ValueError(
-                    f"3-D attn_mask must have shape (N*num_heads, L, S) = {shape_str((N * num_heads, L, S_src))}, "
-                    f"got {shape_str(am.shape)}"
-                )
-            am = am.reshape(N, num_heads, L, S_src)
-        masks["attn_mask"] = am
-    # With an attn_mask, is_causal is a hint (as torch): the mask is used as given.
-    causal = causal and attn_mask is None
-
-    S_total = S_src + (bias_k is not None) + add_zero_attn
-    weights = None
-    if need_weights:
-        w_shape = (N, L, S_total) if average_attn_weights else (N, num_heads, L, S_total)
-        weights = np.empty(w_shape, dtype)
-    if batched and not batch_first:
-        out = np.empty((L, N, E_out), dtype)
-        out_view = out.transpose(1, 0, 2)
-    else:
-        out = out_view = np.empty((N, L, E_out), dtype)
-
-    _core.mha(
-        num_heads,
-        kernel_layout(q),
-        kernel_layout(k),
-        kernel_layout(v),
-        kernel_layout(w_q),
-        kernel_layout(w_k),
-        kernel_layout(w_v),
-        *(None if b is None else kernel_layout(b) for b in (b_q, b_k, b_v, bias_k, bias_v)),
-        add_zero_attn,
-        None if static_k is None else kernel_layout(static_k),
-        None if static_v is None else kernel_layout(static_v),
-        masks.get("attn_mask"),
-        masks.get("key_padding_mask"),
-        causal,
-        kernel_layout(w_out),
-        None if b_out is None else kernel_layout(b_out),
-        out_view,
-        weights,
-        average_attn_weights,
-        causal and bottom_right,
-    )
-    if not batched:
-        out = out[0]
-        if weights is not None:
-            weights = weights[0]
-    if result_dtype != dtype:  # half-precision inputs: computed in float32, returned as given
-        out = out.astype(result_dtype)
-        weights = None if weights is None else weights.astype(result_dtype)
-    return out, weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,106 +455,13 @@ def multi_head_attention_step(
     """
     cache = _check_cache(cache)
     result_dtype, dtype = result_and_compute_dtype(query)
-    x = as_float(query, dtype, "query")
-    batch_first = as_bool_flag(batch_first, "batch_first")
-    use_separate_proj_weight = as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight")
     num_heads = as_positive_int(num_heads, "num_heads")
-    B = cache.batch
-    if x.ndim == 2:
-        if B != 1:
-            raise ValueError(
-                f"an unbatched (2-D) query {shape_str(x.shape)} needs a cache of batch 1, got {cache!r}"
-            )
-        x3 = x[:, None, :]
-        layout = "unbatched"
-    elif x.ndim == 3:
-        x3 = x
-        layout = "batch_first" if batch_first else "seq_first"
-        if x3.shape[0 if batch_first else 1] != B:
-            raise ValueError(
-                f"query {shape_str(x.shape)} must have the cache's batch {B} in dim "
-                f"{0 if batch_first else 1} ({'(batch, T, E)' if batch_first else '(T, batch, E)'})"
-            )
-    else:
-        raise ValueError(f"query must be 2-D (T, E) or 3-D (T, batch, E) / (batch, T, E), got shape {shape_str(x.shape)}")
-    T = x3.shape[1] if layout == "batch_first" else x3.shape[0]
-    E = x3.shape[2]
-    if E == 0 or E % num_heads != 0:
-        raise ValueError(f"embed_dim ({E}) must be a positive multiple of num_heads ({num_heads})")
-    head_dim = E // num_heads
-    if (cache.num_kv_heads, cache.head_dim, cache.value_dim) != (num_heads, head_dim, head_dim):
-        raise ValueError(
-            f"cache must have num_kv_heads = num_heads = {num_heads} and head_dim = value_dim = "
-            f"E // num_heads = {head_dim} for a query of width {E}, got {cache!r}"
-        )
-
-    # Weights, all in the projection dtype.
-    if use_separate_proj_weight:
-        for name, w in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight), ("v_proj_weight", v_proj_weight)):
-            if w is None:
-                raise ValueError(f"use_separate_proj_weight=True requires {name}")
-        w_qkv = [
-            _param(w, dtype, name, (E, E))
-            for name, w in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight), ("v_proj_weight", v_proj_weight))
-        ]
-    else:
-        if in_proj_weight is None:
-            raise ValueError("in_proj_weight is required unless use_separate_proj_weight=True")
-        w_qkv = [_param(in_proj_weight, dtype, "in_proj_weight", (3 * E, E))]
-    b_in = None if in_proj_bias is None else _param(in_proj_bias, dtype, "in_proj_bias", (3 * E,))
-    if out_proj_weight is None:
-        raise ValueError("out_proj_weight is required")
-    w_out = as_float(out_proj_weight, dtype, "out_proj_weight")
-    if w_out.ndim != 2 or w_out.shape[1] != E:
-        raise ValueError(f"out_proj_weight must have shape (E_out, {E}), got {shape_str(w_out.shape)}")
-    E_out = w_out.shape[0]
-    b_out = None if out_proj_bias is None else _param(out_proj_bias, dtype, "out_proj_bias", (E_out,))
-    n = _query_lengths(lengths, B, T)
-
-    # Rows of the projections in the query's own order: (t, b) or (b, t), in a layout the
-    # core reads (a misaligned query is copied: ascontiguousarray would keep it as it is).
-    rows = kernel_layout(x3.reshape(-1, E))
-    N = rows.shape[0]
-    out_shape = {"unbatched": (T, E_out), "seq_first": (T, B, E_out), "batch_first": (B, T, E_out)}[layout]
-    if N == 0:
-        return np.zeros(out_shape, result_dtype)
-
-    # 1. Project the new tokens: q, k, v as (N, E) column blocks.
-    if len(w_qkv) == 1:
-        qkv = np.empty((N, 3 * E), dtype)
-        _core.linear(rows, kernel_layout(w_qkv[0]), None if b_in is None else kernel_layout(b_in), qkv)
-        q, k, v = qkv[:, :E], qkv[:, E : 2 * E], qkv[:, 2 * E :]
-    else:
-        biases = (None, None, None) if b_in is None else (b_in[:E], b_in[E : 2 * E], b_in[2 * E :])
-        q, k, v = (np.empty((N, E), dtype) for _ in range(3))
-        for w, b, dst in zip(w_qkv, biases, (q, k, v)):
-            _core.linear(rows, kernel_layout(w), None if b is None else kernel_layout(b), dst)
-
-    # 2. Split heads: (N, E) -> (B, H, T, head_dim) views.
-    def heads(a):
-        if layout == "batch_first":
-            return a.reshape(B, T, num_heads, head_dim).transpose(0, 2, 1, 3)
-        return a.reshape(T, B, num_heads, head_dim).transpose(1, 2, 0, 3)
-
-    # 3. Append the new keys and values, attend over the cache. A step that fails after its
-    # append (out of memory, an interrupt) rewinds the cache: a failed call leaves it as it was.
-    attn = np.empty((B, num_heads, T, head_dim), dtype)
-    result = np.empty((N, E_out), dtype)
-    held = cache.lengths.copy()
-    cache.append(heads(k), heads(v), None if lengths is None else n)
-    try:
-        _attend_cache(heads(q), cache, n, 1.0 / math.sqrt(head_dim), -1, -1, attn)
-
-        # 4. Merge heads back into rows of the query's order, and project out.
-        if layout == "batch_first":
-            merged = attn.transpose(0, 2, 1, 3).reshape(N, E)
-        else:
-            merged = attn.transpose(2, 0, 1, 3).reshape(N, E)
-        # merged may be a view with a strided last axis: with head_dim 1, numpy merges the
-        # heads into rows without a copy.
-        _core.linear(kernel_layout(merged), kernel_layout(w_out), None if b_out is None else kernel_layout(b_out), result)
-    except BaseException:
-        cache.storage().lengths[:] = held
-        raise
-    result = result.reshape(out_shape)
-    return result if result_dtype == dtype else result.astype(result_dtype)
+    E = np.shape(query)[-1] if np.ndim(query) else 0
+    params = dict(
+        in_proj_weight=in_proj_weight, in_proj_bias=in_proj_bias, out_proj_weight=out_proj_weight,
+        out_proj_bias=out_proj_bias,
+        use_separate_proj_weight=as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight"),
+        q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight,
+    )
+    weights = mha_weights(params, num_heads, E, dtype, result_dtype)
+    return mha_step(weights, query, cache, lengths, as_bool_flag(batch_first, "batch_first"))

@@ -19,13 +19,19 @@ import numpy as np
 
 from . import _core
 
-from ._arrays import as_bool_flag, as_positive_int, causal_mode, is_floating, shape_str
+from ._arrays import as_bool_flag, as_positive_int, is_floating, shape_str
 from .cache import KVCache, _storage_dtype
-from .functional import multi_head_attention_forward, multi_head_attention_step
+from ._canonical import mha_options, mha_step, mha_weights
 
 __all__ = ["MultiheadAttention"]
 
 _COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+# The options of the common calls, made once: [batch_first][need_weights][average_attn_weights].
+_OPTIONS = tuple(
+    tuple(tuple(_core.MhaOptions(False, False, need, average, first) for average in (False, True)) for need in (False, True))
+    for first in (False, True)
+)
 
 
 class LoadStateDictResult(NamedTuple):
@@ -441,135 +447,46 @@ class MultiheadAttention:
         A query row whose keys are all masked gives a zero attention row (so
         the output row equals ``out_proj_bias``), where torch gives NaN.
         """
-        if key_padding_mask is None and attn_mask is None:
-            cached = self.__dict__.get("_plain_cache")
-            if cached is not None and cached[0] is not None and is_causal is False:
-                # _forward_plain's call, inline where its plan is made (a method call
-                # is about 2% of a call of 16 rows).
-                result = cached[0](query, key, value, need_weights, average_attn_weights, False, False)
-            else:
-                result = self._forward_plain(query, key, value, need_weights, average_attn_weights, is_causal)
-            if result is not None:
-                return result
-        p = {attr: getattr(self, attr) for attr in self._KEY_TO_ATTR.values()}
-        return multi_head_attention_forward(
-            self._as_input(query),
-            self._as_input(key),
-            self._as_input(value),
-            self.embed_dim,
-            self.num_heads,
-            p["in_proj_weight"],
-            p["in_proj_bias"],
-            p["bias_k"],
-            p["bias_v"],
-            self.add_zero_attn,
-            0.0,
-            p["out_proj_weight"],
-            p["out_proj_bias"],
-            training=False,
-            key_padding_mask=key_padding_mask,
-            need_weights=need_weights,
-            attn_mask=attn_mask,
-            use_separate_proj_weight=not self._qkv_same_embed_dim,
-            q_proj_weight=p["q_proj_weight"],
-            k_proj_weight=p["k_proj_weight"],
-            v_proj_weight=p["v_proj_weight"],
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-            batch_first=self.batch_first,
-        )
-
-    def _forward_plain(self, query, key, value, need_weights, average_attn_weights, is_causal):
-        """The common call, without the general argument handling; None when it does not apply.
-
-        Applies to batched ndarrays of the module's dtype with contiguous rows, no masks
-        and bool flags (the plan checks the arrays and flags). Everything else -- including
-        every input that is wrong -- takes the general path, which converts what it can and
-        explains what it cannot.
-        """
-        plan = self._plain_plan()
-        if plan is None:
-            return None
-        if is_causal is False:
-            causal = bottom_right = False
+        if type(need_weights) is bool and type(average_attn_weights) is bool and is_causal is False:
+            options = _OPTIONS[self.batch_first][need_weights][average_attn_weights]
         else:
-            try:
-                causal, bottom_right = causal_mode(is_causal)
-            except ValueError:
-                return None
-        # (Positional arguments: pybind11's keyword matching costs about a microsecond.)
-        return plan(query, key, value, need_weights, average_attn_weights, causal, bottom_right)
+            options = mha_options(is_causal, need_weights, average_attn_weights, self.batch_first, attn_mask)
+        if self.dtype not in _COMPUTE_DTYPES:  # half precision: inputs rounded to it first
+            query, key, value = self._as_input(query), self._as_input(key), self._as_input(value)
+        extras = None if key_padding_mask is None and attn_mask is None else (attn_mask, key_padding_mask, None, None)
+        return _core.mha(self._weights(), query, key, value, extras, options)
 
-    # The parameter attributes, in the order _plain_plan checks them.
-    _PLAIN_PARAMETERS = (
-        "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-        "bias_k", "bias_v", "out_proj_weight", "out_proj_bias",
-    )
+    def _weights(self) -> "_core.MhaWeights":
+        """The parameters, checked, as the core takes them.
 
-    def _plain_plan(self):
-        """A ``_core.MhaPlan`` of the parameters for the common call, or None.
-
-        None unless every parameter is a C-contiguous, aligned array of the module's
-        float32/float64 dtype with its expected shape. The plan is kept until an
-        attribute of the module is assigned (``__setattr__`` drops it); it holds views
-        that share the parameters' memory, so values written in place are seen.
+        Kept until an attribute of the module is assigned (``__setattr__`` drops them) where
+        they share the parameters' memory, so that values written in place are seen: float32
+        or float64 parameters, C-contiguous and aligned. Others (half precision, other
+        layouts) are converted on every call.
         """
-        cached = self.__dict__.get("_plain_cache")
-        if cached is None:
-            params = tuple(getattr(self, name) for name in self._PLAIN_PARAMETERS)
-            views = self._build_plain_parameters(params)
-            if views is not None:
-                w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, w_out, b_out = views
-                views = _core.MhaPlan(
-                    self.num_heads, w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v,
-                    bool(self.add_zero_attn), w_out, b_out, bool(self.batch_first),
-                )
-            cached = (views,)
-            self.__dict__["_plain_cache"] = cached
-        return cached[0]
+        weights = self.__dict__.get("_weights_cache")
+        if weights is not None:
+            return weights
+        dtype = self.dtype if self.dtype in _COMPUTE_DTYPES else np.dtype(np.float32)
+        params = {key.replace(".", "_"): getattr(self, attr) for key, attr in self._KEY_TO_ATTR.items()}
+        params.update(add_zero_attn=self.add_zero_attn, use_separate_proj_weight=not self._qkv_same_embed_dim)
+        weights = mha_weights(params, self.num_heads, self.embed_dim, dtype, self.dtype)
+        shared = self.dtype in _COMPUTE_DTYPES and all(
+            type(x) is np.ndarray and x.dtype == self.dtype and x.flags.c_contiguous and x.flags.aligned
+            for key, x in params.items() if x is not None and key not in ("add_zero_attn", "use_separate_proj_weight")
+        )
+        if shared:
+            self.__dict__["_weights_cache"] = weights
+        return weights
 
     def __setattr__(self, name, value):
-        self.__dict__.pop("_plain_cache", None)
+        self.__dict__.pop("_weights_cache", None)
         object.__setattr__(self, name, value)
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.pop("_plain_cache", None)  # a plan over views: they would not share the copy's memory
+        state.pop("_weights_cache", None)  # views of the parameters: not the copy's memory
         return state
-
-    def _build_plain_parameters(self, params):
-        dtype, E = self.dtype, self.embed_dim
-        if dtype not in _COMPUTE_DTYPES:
-            return None  # half-precision parameters: converted on the general path
-        for x in params:
-            if x is not None and (
-                type(x) is not np.ndarray or x.dtype != dtype or not (x.flags.c_contiguous and x.flags.aligned)
-            ):
-                return None
-        in_w, q_w, k_w, v_w, in_b, bias_k, bias_v, out_w, out_b = params
-        if in_w is not None:
-            if in_w.shape != (3 * E, E):
-                return None
-            w_q, w_k, w_v = in_w[:E], in_w[E : 2 * E], in_w[2 * E :]
-        else:
-            if q_w is None or k_w is None or v_w is None:
-                return None
-            if q_w.shape != (E, E) or k_w.shape != (E, self.kdim) or v_w.shape != (E, self.vdim):
-                return None
-            w_q, w_k, w_v = q_w, k_w, v_w
-        if in_b is not None and in_b.shape != (3 * E,):
-            return None
-        b_q, b_k, b_v = (None, None, None) if in_b is None else (in_b[:E], in_b[E : 2 * E], in_b[2 * E :])
-        for bias in (bias_k, bias_v):
-            if bias is not None and bias.size != E:
-                return None
-        if (bias_k is None) != (bias_v is None):
-            return None
-        if out_w is None or out_w.shape != (E, E) or (out_b is not None and out_b.shape != (E,)):
-            return None
-        bias_k = None if bias_k is None else bias_k.reshape(E)
-        bias_v = None if bias_v is None else bias_v.reshape(E)
-        return (w_q, w_k, w_v, b_q, b_k, b_v, bias_k, bias_v, out_w, out_b)
 
     __call__ = forward
 
@@ -654,17 +571,9 @@ class MultiheadAttention:
                 f"step decodes self-attention only: not available for {self!r} "
                 f"(add_bias_kv, add_zero_attn, or kdim/vdim other than embed_dim)"
             )
-        return multi_head_attention_step(
-            self._as_input(query),
-            cache,
-            self.num_heads,
-            self.in_proj_weight,
-            self.in_proj_bias,
-            self.out_proj_weight,
-            self.out_proj_bias,
-            lengths=lengths,
-            batch_first=self.batch_first,
-        )
+        if self.dtype not in _COMPUTE_DTYPES:  # half precision: the new tokens rounded to it first
+            query = self._as_input(query)
+        return mha_step(self._weights(), query, cache, lengths, self.batch_first)
 
     def __repr__(self) -> str:
         args = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]

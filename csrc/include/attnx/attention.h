@@ -79,12 +79,10 @@ struct SdpaArgs {
 template <typename T>
 void sdpa_forward(const SdpaArgs<T>& args);
 
+// The parameters of multi-head attention, as torch's module holds them.
 template <typename T>
-struct MhaArgs {
+struct MhaParams {
   int64_t num_heads = 1;
-  StridedView<const T, 3> query;  // (N, L, E), last dim contiguous
-  StridedView<const T, 3> key;    // (N, S, kdim), last dim contiguous
-  StridedView<const T, 3> value;  // (N, S, vdim), last dim contiguous
   RowMajorView<const T> w_q, w_k, w_v;  // (E, E), (E, kdim), (E, vdim)
   const T* b_q = nullptr;  // (E) each, contiguous, optional
   const T* b_k = nullptr;
@@ -92,13 +90,33 @@ struct MhaArgs {
   const T* bias_k = nullptr;  // (E), appended as one more key, optional
   const T* bias_v = nullptr;
   bool add_zero_attn = false;  // append one all-zero key and value
+  RowMajorView<const T> w_out;  // (E_out, E)
+  const T* b_out = nullptr;     // (E_out)
+
+  // Whether w_q, w_k, w_v (and their biases, if any) lie stacked in memory
+  // as the rows of torch's in_proj_weight (3E, E), so that one product
+  // projects all three.
+  bool stacked() const {
+    const int64_t E = w_q.rows;
+    const bool weights = w_k.rows == E && w_v.rows == E && w_k.cols == w_q.cols &&
+                         w_v.cols == w_q.cols && w_k.row_stride == w_q.row_stride &&
+                         w_v.row_stride == w_q.row_stride && w_k.data == w_q.row(E) &&
+                         w_v.data == w_q.row(2 * E);
+    const bool biases = (!b_q && !b_k && !b_v) || (b_q && b_k == b_q + E && b_v == b_q + 2 * E);
+    return weights && biases;
+  }
+};
+
+template <typename T>
+struct MhaArgs : MhaParams<T> {
+  StridedView<const T, 3> query;  // (N, L, E), last dim contiguous
+  StridedView<const T, 3> key;    // (N, S, kdim), last dim contiguous
+  StridedView<const T, 3> value;  // (N, S, vdim), last dim contiguous
   StridedView<const T, 4> static_k;  // (N, H, S_static, E/H): replaces projected keys
   StridedView<const T, 4> static_v;
   StridedView<const T, 4> masks[kMaxMasks];  // (N, H, L, S_src) additive
   bool causal = false;        // over the S_src source keys
   bool bottom_right = false;  // causal diagonal: key i + S_src - L (else key i)
-  RowMajorView<const T> w_out;  // (E_out, E)
-  const T* b_out = nullptr;     // (E_out)
   StridedView<T, 3> out;  // (N, L, E_out), last dim contiguous
   // Optional, C-contiguous: (N, L, S') averaged over heads or (N, H, L, S').
   T* weights = nullptr;
@@ -107,5 +125,41 @@ struct MhaArgs {
 
 template <typename T>
 void mha_forward(const MhaArgs<T>& args);
+
+// The storage of a KV cache: keys (B, H, max_len, head_dim) and values (B,
+// H, max_len, value_dim), C-contiguous, of one element type, and each
+// sequence's length.
+enum class CacheElement : uint8_t { kFloat32, kFloat64, kFloat16, kBFloat16 };
+
+struct CacheArrays {
+  CacheElement element = CacheElement::kFloat32;
+  void* key = nullptr;
+  void* value = nullptr;
+  int64_t batch = 0, heads = 0, max_len = 0, head_dim = 0, value_dim = 0;
+  int64_t* lengths = nullptr;  // (batch), each in [0, max_len]
+};
+
+// One decoding step of multi-head self-attention: the new tokens' queries,
+// keys and values projected as in mha_forward, the keys and values written
+// after each sequence's length, the queries attending their sequence's
+// cached keys up to themselves (bottom-right causal), the heads projected
+// out. Rows are the new tokens in the caller's order: row r is token
+// r / B of sequence r % B (batch_first: token r % T of sequence r / T).
+// The projections and the output are in T; the attention in float64 for a
+// float64 cache, else float32. The lengths grow only once every step has
+// succeeded, so that a step that throws leaves the cache as it was.
+template <typename T>
+struct MhaStepArgs {
+  MhaParams<T> params;     // self-attention: no bias_k / bias_v / zero attention
+  RowMajorView<const T> rows;  // (B * T, E), contiguous rows
+  int64_t batch = 0, tokens = 0;
+  bool batch_first = false;
+  const int64_t* new_lengths = nullptr;  // (B) valid new tokens, each in [0, T]; null: all T
+  CacheArrays cache;  // heads = num_heads, head_dim = value_dim = E / num_heads
+  T* out = nullptr;   // (B * T, E_out), C-contiguous, rows as `rows`
+};
+
+template <typename T>
+void mha_step(const MhaStepArgs<T>& args);
 
 }  // namespace attnx

@@ -1,9 +1,9 @@
-"""MultiheadAttention's common call, through its plan (attnx._core.MhaPlan).
+"""Multi-head attention's one route: checked parameters (attnx._core.MhaWeights) and _core.mha.
 
-The plan serves plain 3-D ndarrays of the module's dtype with contiguous rows and bool flags;
-for anything else it returns None and the module takes its general path. Both routes must give
-the reference's result, and the plan must never be the one to turn down a call the general path
-would refuse with a message.
+Inputs already canonical (plain 3-D ndarrays of the parameters' dtype with contiguous rows, no
+masks) run as they are; anything else goes through the Python rules (attnx._canonical.mha_call)
+first. Both must give the reference's result, the same bits for the same values, and every
+refusal comes with the rules' message.
 """
 
 import warnings
@@ -52,19 +52,19 @@ CONFIGS = {
 }
 
 
+def _weights(module):
+    return module._weights()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("need_weights, average", [(False, True), (True, True), (True, False)])
-def test_plan_matches_the_reference(config, dtype, need_weights, average):
+def test_canonical_inputs_match_the_reference(config, dtype, need_weights, average):
     module = _module(dtype, **CONFIGS[config])
     q, k, v = _inputs(module, dtype)
-    plan = module._plain_plan()
-    assert isinstance(plan, _core.MhaPlan)
-    result = plan(q, k, v, need_weights, average, False, False)
-    assert result is not None
-    out, weights = result
-    expected_out, expected_weights = _expected(
-        module, q, k, v, need_weights=True, average_attn_weights=average)
+    options = _core.MhaOptions(False, False, need_weights, average, module.batch_first)
+    out, weights = _core.mha(_weights(module), q, k, v, None, options)
+    expected_out, expected_weights = _expected(module, q, k, v, need_weights=True, average_attn_weights=average)
     assert out.dtype == dtype and out.shape == expected_out.shape
     np.testing.assert_allclose(out, expected_out, **TOL[dtype])
     if need_weights:
@@ -75,17 +75,17 @@ def test_plan_matches_the_reference(config, dtype, need_weights, average):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("length", [1, 3, 8, 40])
-def test_plan_causal_matches_the_module_general_path(dtype, length):
+def test_causal_matches_an_explicit_mask(dtype, length):
     module = _module(dtype, batch_first=True)
     x = np.random.default_rng(length).standard_normal((N, length, E)).astype(dtype)
     mask = np.triu(np.ones((length, length), bool), 1)
-    out, _ = module._plain_plan()(x, x, x, False, True, True, False)
+    out, _ = module(x, x, x, need_weights=False, is_causal=True)
     general, _ = module(x, x, x, need_weights=False, attn_mask=mask)
     np.testing.assert_allclose(out, general, **TOL[dtype])
 
 
-def _declined_inputs(q):
-    """Inputs of the right values that the plan leaves to the general path."""
+def _converted_inputs(q):
+    """Inputs of the right values that are not canonical: they go through the Python rules."""
 
     class Sub(np.ndarray):
         pass
@@ -102,81 +102,81 @@ def _declined_inputs(q):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kind", ["subclass", "other_dtype", "strided_rows", "list"])
-def test_plan_declines_other_inputs_and_the_module_still_answers(dtype, kind):
+def test_converted_inputs_give_the_bits_of_canonical_ones(dtype, kind):
     module = _module(dtype)
     q, k, v = _inputs(module, dtype)
-    odd = _declined_inputs(q)[kind]
-    assert module._plain_plan()(odd, k, v, False, True, False, False) is None
+    odd = _converted_inputs(q)[kind]
     out, _ = module(odd, k, v, need_weights=False)
-    expected, _ = _expected(module, np.asarray(odd, dtype), k, v)  # the module's dtype
-    np.testing.assert_allclose(out, expected, **TOL[dtype])
+    canonical, _ = module(np.asarray(odd, dtype), k, v, need_weights=False)  # the module's dtype
+    np.testing.assert_array_equal(out, canonical)
 
 
-@pytest.mark.parametrize("flag", [1, 0, np.True_, None, "yes"])
-def test_plan_declines_flags_that_are_not_bools(flag):
+@pytest.mark.parametrize("flag", [1, 0, None, "yes"])
+def test_flags_that_are_not_bools_are_refused(flag):
     module = _module(np.float32)
     q, k, v = _inputs(module, np.float32)
-    plan = module._plain_plan()
-    assert plan(q, k, v, flag, True, False, False) is None
-    assert plan(q, k, v, True, flag, False, False) is None
+    with pytest.raises(TypeError, match="need_weights"):
+        module(q, k, v, need_weights=flag)
+    with pytest.raises(TypeError, match="average_attn_weights"):
+        module(q, k, v, average_attn_weights=flag)
 
 
-def test_plan_declines_shapes_that_do_not_match():
+def test_shapes_that_do_not_match_are_explained():
     module = _module(np.float32)
     q, k, v = _inputs(module, np.float32)
-    plan = module._plain_plan()
-    assert plan(q[..., :-1], k, v, False, True, False, False) is None  # embed dim
-    assert plan(q, k[:, :1], v, False, True, False, False) is None  # batch of key
-    assert plan(q, k, v[:-1], False, True, False, False) is None  # length of value
-    assert plan(q[0], k[0], v[0], False, True, False, False) is None  # unbatched
+    with pytest.raises(ValueError, match="embed_dim"):
+        module(q[..., :-1], k, v)
     with pytest.raises(ValueError, match="key"):
         module(q, k[:, :1], v, need_weights=False)
+    with pytest.raises(ValueError, match="same length"):
+        module(q, k, v[:-1])
+    out, _ = module(q[:, 0], k[:, 0], v[:, 0])  # unbatched
+    batched, _ = module(q[:, :1], k[:, :1], v[:, :1])
+    np.testing.assert_array_equal(out, batched[:, 0])
 
 
-def test_plan_rejects_inconsistent_parameters():
+def test_weights_reject_inconsistent_parameters():
     w = np.zeros((E, E), np.float32)
     b = np.zeros(E, np.float32)
-    args = [H, w, w, w, b, b, b, None, None, False, w, b, True]
-    _core.MhaPlan(*args)
-    with pytest.raises(TypeError, match="float32 or float64"):
-        _core.MhaPlan(H, *(x.astype(np.float16) for x in (w, w, w)), *args[4:])
+    f32 = np.dtype(np.float32)
+    _core.MhaWeights(H, (w, w, w), (b, b, b), (w, b), None, False, f32)
+    with pytest.raises(TypeError, match="q_proj_weight"):
+        _core.MhaWeights(H, tuple(x.astype(np.float16) for x in (w, w, w)), None, (w, b), None, False, f32)
     with pytest.raises(TypeError, match="out_proj_weight"):
-        _core.MhaPlan(*args[:10], w.astype(np.float64), *args[11:])
+        _core.MhaWeights(H, (w, w, w), None, (w.astype(np.float64), b), None, False, f32)
     with pytest.raises(ValueError, match="divisible"):
-        _core.MhaPlan(5, *args[1:])
+        _core.MhaWeights(5, (w, w, w), None, (w, b), None, False, f32)
     with pytest.raises(ValueError, match="out_proj_weight"):
-        _core.MhaPlan(*args[:10], w[:, :-1].copy(), *args[11:])
+        _core.MhaWeights(H, (w, w, w), None, (w[:, :-1].copy(), b), None, False, f32)
     with pytest.raises(ValueError, match="q bias"):
-        _core.MhaPlan(H, w, w, w, b[:-1].copy(), *args[5:])
+        _core.MhaWeights(H, (w, w, w), (b[:-1].copy(), b, b), (w, b), None, False, f32)
     with pytest.raises(ValueError, match="together"):
-        _core.MhaPlan(*args[:7], b, None, *args[9:])
+        _core.MhaWeights(H, (w, w, w), None, (w, b), (b, None), False, f32)
+    with pytest.raises(TypeError, match="k_proj_weight"):
+        _core.MhaWeights(H, (w, None, w), None, (w, b), None, False, f32)
 
 
-def test_plan_leaves_the_inputs_unchanged():
+def test_a_call_leaves_the_inputs_unchanged():
     module = _module(np.float32, batch_first=True)
     q, k, v = _inputs(module, np.float32)
     before = [x.copy() for x in (q, k, v)]
-    module._plain_plan()(q, k, v, True, False, False, False)
+    module(q, k, v, average_attn_weights=False)
     for x, y in zip((q, k, v), before):
         np.testing.assert_array_equal(x, y)
 
 
-def _plan_and_core_mha(weights, dtype=np.float32, batch_first=True):
-    """The plan's output and _core.mha's on the same parameters and inputs."""
+def _outputs(weights, dtype=np.float32):
+    """The output of weights (w_q, w_k, w_v, w_out) as given, on fixed inputs."""
     w_q, w_k, w_v, w_out = weights
     rng = np.random.default_rng(3)
-    q, k, v = (rng.standard_normal((N, n, w.shape[1])).astype(dtype)
-               for n, w in ((L, w_q), (S, w_k), (S, w_v)))
+    q, k, v = (rng.standard_normal((N, n, w.shape[1])).astype(dtype) for n, w in ((L, w_q), (S, w_k), (S, w_v)))
     b = rng.standard_normal(E).astype(dtype)
-    plan = _core.MhaPlan(H, w_q, w_k, w_v, b, None, b, None, None, False, w_out, b, batch_first)
-    got, _ = plan(q, k, v, False, True, False, False)
-    expected = np.empty((N, L, E), dtype)
-    _core.mha(H, q, k, v, w_q, w_k, w_v, b, None, b, None, None, False, None, None, None, None,
-              False, w_out, b, expected, None, True, False)
-    return got, expected
+    params = _core.MhaWeights(H, (w_q, w_k, w_v), (b, None, b), (w_out, b), None, False, np.dtype(dtype))
+    out, _ = _core.mha(params, q, k, v, None, _core.MhaOptions(False, False, False, True, True))
+    return out
 
 
-def test_plan_reads_weights_through_their_row_strides():
+def test_weights_are_read_through_their_row_strides():
     rng = np.random.default_rng(5)
     wide = rng.standard_normal((E, 2 * E)).astype(np.float32)
     sliced = wide[:, ::1][:, E // 2:E // 2 + E]  # rows 2E apart
@@ -184,27 +184,26 @@ def test_plan_reads_weights_through_their_row_strides():
     square = rng.standard_normal((E, E)).astype(np.float32)
     for weights in ((sliced, square, square, square), (square, sliced, sliced, broadcast),
                     (broadcast, broadcast, square, sliced)):
-        got, expected = _plan_and_core_mha(weights)
-        np.testing.assert_array_equal(got, expected)
-        # ... and those equal the same weights made contiguous
-        contiguous, _ = _plan_and_core_mha([np.ascontiguousarray(w) for w in weights])
+        got = _outputs(weights)
+        contiguous = _outputs([np.ascontiguousarray(w) for w in weights])
         np.testing.assert_allclose(got, contiguous, rtol=2e-5, atol=2e-5)
 
 
-def test_plan_keeps_the_shapes_it_checked_when_the_caller_reshapes():
+def test_weights_keep_the_shapes_they_checked_when_the_caller_reshapes():
     rng = np.random.default_rng(6)
     w = [rng.standard_normal((E, E)).astype(np.float32) for _ in range(4)]
     b = np.zeros(E, np.float32)
-    plan = _core.MhaPlan(H, *w[:3], b, b, b, None, None, False, w[3], b, True)
+    params = _core.MhaWeights(H, tuple(w[:3]), (b, b, b), (w[3], b), None, False, np.dtype(np.float32))
     q = rng.standard_normal((N, L, E)).astype(np.float32)
-    before, _ = plan(q, q, q, False, True, False, False)
+    options = _core.MhaOptions(False, False, False, True, True)
+    before, _ = _core.mha(params, q, q, q, None, options)
     # The same memory, seen another way. NumPy 2.5 deprecates assigning .shape; while it
-    # still works, a caller can still do this to an array a plan holds.
+    # still works, a caller can still do this to an array the weights hold.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         w[3].shape = (E // 2, 2 * E)
-    after, _ = plan(q, q, q, False, True, False, False)
+    after, _ = _core.mha(params, q, q, q, None, options)
     np.testing.assert_array_equal(after, before)
     w[3][:] = 0  # values written in place are still used
-    zeroed, _ = plan(q, q, q, False, True, False, False)
+    zeroed, _ = _core.mha(params, q, q, q, None, options)
     np.testing.assert_array_equal(zeroed, np.zeros_like(zeroed))

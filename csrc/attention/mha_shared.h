@@ -1,0 +1,80 @@
+// What the forward pass and the decode step of multi-head attention share:
+// scratch buffers, the self-attention projection and the views of heads.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/cache_line_array.h"
+#include "attention/projection.h"
+#include "attnx/attention.h"
+
+namespace attnx::mha {
+
+// An uninitialised array of T (std::vector would zero-fill it), starting on
+// a cache line: the rows of the heads' keys and values in it then start on
+// lines too where the head dim allows, and sdpa reads them in place.
+template <typename T>
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(size_t size) : data_(cache_line_array<T>(size)) {}
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+
+ private:
+  CacheLineArray<T> data_;
+};
+
+// A contiguous (N, L, cols) view of `data`.
+template <typename U>
+StridedView<U, 3> rows_view(U* data, int64_t N, int64_t L, int64_t cols) {
+  StridedView<U, 3> v;
+  v.data = data;
+  v.shape[0] = N, v.shape[1] = L, v.shape[2] = cols;
+  v.stride[0] = L * cols, v.stride[1] = cols, v.stride[2] = 1;
+  return v;
+}
+
+// Columns [offset, offset + E) of a contiguous (N, L, row) buffer seen as
+// (N, H, L, hd).
+template <typename U>
+StridedView<U, 4> heads_view(U* data, int64_t N, int64_t L, int64_t E, int64_t H,
+                             int64_t row = 0, int64_t offset = 0) {
+  if (row == 0) row = E;
+  StridedView<U, 4> v;
+  v.data = data + offset;
+  v.shape[0] = N, v.shape[1] = H, v.shape[2] = L, v.shape[3] = E / H;
+  v.stride[0] = L * row, v.stride[1] = E / H, v.stride[2] = row, v.stride[3] = 1;
+  return v;
+}
+
+// qkv (N, L, 3E) = the query, key and value projections of x side by side in
+// each row: one product where the weights are stacked as torch's
+// in_proj_weight (the same sums as three), else three.
+template <typename T>
+void project_self(const MhaParams<T>& p, const StridedView<const T, 3>& x, T* qkv) {
+  const int64_t N = x.shape[0], L = x.shape[1], E = p.w_q.rows;
+  if (p.stacked()) {
+    RowMajorView<const T> w_qkv = p.w_q;
+    w_qkv.rows = 3 * E;
+    linear_forward(x, w_qkv, p.b_q, rows_view(qkv, N, L, 3 * E));
+    return;
+  }
+  const RowMajorView<const T>* weights[3] = {&p.w_q, &p.w_k, &p.w_v};
+  const T* biases[3] = {p.b_q, p.b_k, p.b_v};
+  for (int i = 0; i < 3; ++i) {
+    StridedView<T, 3> y = rows_view(qkv + i * E, N, L, E);
+    y.stride[0] = L * 3 * E, y.stride[1] = 3 * E;
+    linear_forward(x, *weights[i], biases[i], y);
+  }
+}
+
+template <typename T>
+StridedView<const T, 3> as_const(const StridedView<T, 3>& v) {
+  StridedView<const T, 3> c;
+  c.data = v.data;
+  for (int d = 0; d < 3; ++d) c.shape[d] = v.shape[d], c.stride[d] = v.stride[d];
+  return c;
+}
+
+}  // namespace attnx::mha

@@ -1,0 +1,509 @@
+// The bindings of multi-head attention: its checked parameters
+// (_core.MhaWeights), the forward pass (_core.mha), the decoding step
+// (_core.mha_step) and the linear layer (_core.linear).
+//
+// _core.mha takes the caller's inputs as they are. Inputs already in the
+// canonical form -- plain 3-D ndarrays of the parameters' dtype with
+// contiguous rows, in the layout the options name, and no masks or static
+// keys -- go to the core directly; anything else is first handed to
+// attnx._canonical.mha_call, where Python applies torch's rules. Either way
+// the core runs once.
+//
+// Releasing the GIL is safe: the core touches no Python object, and the
+// py::array arguments keep every buffer alive until the call returns.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attention/projection.h"
+#include "attention/step_faults.h"
+#include "attnx/attention.h"
+#include "bindings/array_views.h"
+
+namespace attnx::bindings {
+namespace {
+
+using OptArray = std::optional<py::array>;
+
+// Equal, not identical: an unpickled array has an equal but distinct dtype object.
+bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(dt); }
+
+// The flags of a call, checked by Python (attnx._canonical).
+struct MhaOptions {
+  bool causal = false;
+  bool bottom_right = false;
+  bool need_weights = true;
+  bool average_weights = true;
+  bool batch_first = false;
+};
+
+// The parameters of multi-head attention, checked once: float32 or float64
+// arrays of the shapes torch's module has. It keeps its own ndarray views of
+// them (sharing their memory, so values written in place are used), which
+// no one else can reshape or restride. `dtype` is the dtype results are
+// returned in (a half-precision module's, whose parameters are given here in
+// float32).
+class MhaWeights {
+ public:
+  MhaWeights(int64_t num_heads, const py::tuple& projections, const py::object& in_biases,
+             const py::tuple& out_projection, const py::object& bias_kv, bool add_zero_attn,
+             py::dtype dtype)
+      : num_heads_(num_heads), add_zero_attn_(add_zero_attn), dtype_(std::move(dtype)) {
+    static const char* names[4] = {"q_proj_weight", "k_proj_weight", "v_proj_weight",
+                                   "out_proj_weight"};
+    if (projections.size() != 3 || out_projection.size() != 2)
+      throw py::value_error("MhaWeights: projections must be (w_q, w_k, w_v), out_projection "
+                            "(w_out, b_out)");
+    for (int i = 0; i < 3; ++i) w_[i] = own_view(as_array(projections[i], names[i]));
+    w_[3] = own_view(as_array(out_projection[0], names[3]));
+    b_[3] = optional_array(out_projection[1], "out_proj_bias");
+    if (!in_biases.is_none()) {
+      const auto biases = in_biases.cast<py::tuple>();
+      if (biases.size() != 3) throw py::value_error("MhaWeights: in_biases must be (b_q, b_k, b_v)");
+      for (int i = 0; i < 3; ++i) b_[i] = optional_array(biases[i], "in_proj_bias");
+    }
+    if (!bias_kv.is_none()) {
+      const auto pair = bias_kv.cast<py::tuple>();
+      if (pair.size() != 2) throw py::value_error("MhaWeights: bias_kv must be (bias_k, bias_v)");
+      bias_kv_[0] = optional_array(pair[0], "bias_k");
+      bias_kv_[1] = optional_array(pair[1], "bias_v");
+    }
+    // The compute dtype: float64 for float64 results, else float32.
+    is_double_ = dtype_.equal(py::dtype::of<double>());
+    result_is_compute_ = is_double_ || dtype_.equal(py::dtype::of<float>());
+    if (is_double_)
+      check<double>(names);
+    else
+      check<float>(names);
+  }
+
+  bool is_double() const { return is_double_; }
+  bool result_is_compute() const { return result_is_compute_; }
+  const py::dtype& dtype() const { return dtype_; }
+  int64_t num_heads() const { return num_heads_; }
+  int64_t embed_dim() const { return w_[0].shape(0); }
+  int64_t out_dim() const { return w_[3].shape(0); }
+  int64_t kdim() const { return w_[1].shape(1); }
+  int64_t vdim() const { return w_[2].shape(1); }
+  bool bias_kv() const { return bool(bias_kv_[0]); }
+  bool add_zero_attn() const { return add_zero_attn_; }
+
+  template <typename T>
+  MhaParams<T> params() const {
+    MhaParams<T> p;
+    p.num_heads = num_heads_;
+    p.w_q = matrix(0, T()), p.w_k = matrix(1, T()), p.w_v = matrix(2, T());
+    p.w_out = matrix(3, T());
+    p.b_q = data_of<T>(b_[0]), p.b_k = data_of<T>(b_[1]), p.b_v = data_of<T>(b_[2]);
+    p.b_out = data_of<T>(b_[3]);
+    p.bias_k = data_of<T>(bias_kv_[0]), p.bias_v = data_of<T>(bias_kv_[1]);
+    p.add_zero_attn = add_zero_attn_;
+    return p;
+  }
+
+ private:
+  template <typename T>
+  void check(const char* const names[4]) {
+    for (int i = 0; i < 4; ++i) row_stride_[i] = matrix_view<T>(w_[i], names[i]).row_stride;
+    const int64_t E = embed_dim();
+    if (w_[0].shape(1) != E)
+      throw py::value_error("q_proj_weight: expected a square (E, E) matrix, got shape " +
+                            shape_string(w_[0]));
+    for (int i = 1; i < 3; ++i)
+      if (w_[i].shape(0) != E)
+        throw py::value_error(std::string(names[i]) + ": expected E = " + std::to_string(E) +
+                              " rows, got shape " + shape_string(w_[i]));
+    if (w_[3].shape(1) != E)
+      throw py::value_error("out_proj_weight: expected E = " + std::to_string(E) +
+                            " columns, got shape " + shape_string(w_[3]));
+    if (num_heads_ < 1 || E % num_heads_ != 0)
+      throw py::value_error("embed_dim (" + std::to_string(E) +
+                            ") must be divisible by num_heads (" + std::to_string(num_heads_) +
+                            ")");
+    static const char* bias_names[3] = {"q bias", "k bias", "v bias"};
+    for (int i = 0; i < 3; ++i) vector_data<T>(b_[i], bias_names[i], E);
+    vector_data<T>(b_[3], "out_proj_bias", out_dim());
+    vector_data<T>(bias_kv_[0], "bias_k", E);
+    vector_data<T>(bias_kv_[1], "bias_v", E);
+    if (bool(bias_kv_[0]) != bool(bias_kv_[1]))
+      throw py::value_error("bias_k and bias_v must be given together");
+  }
+
+  template <typename T>
+  RowMajorView<const T> matrix(int i, T) const {
+    return RowMajorView<const T>{static_cast<const T*>(w_[i].data()), w_[i].shape(0),
+                                 w_[i].shape(1), row_stride_[i]};
+  }
+
+  template <typename T>
+  static const T* data_of(const OptArray& a) {
+    return a ? static_cast<const T*>(a->data()) : nullptr;
+  }
+
+  // A new ndarray over the same memory, which only these weights reference:
+  // its shape and strides stay the ones checked.
+  static py::array own_view(const py::array& a) { return a.attr("view")(); }
+  static py::array as_array(const py::handle& h, const char* name) {
+    if (!py::isinstance<py::array>(h))
+      throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " +
+                           std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+    return py::reinterpret_borrow<py::array>(h);
+  }
+  static OptArray optional_array(const py::handle& h, const char* name) {
+    return h.is_none() ? OptArray() : OptArray(own_view(as_array(h, name)));
+  }
+
+  int64_t num_heads_;
+  py::array w_[4];  // w_q, w_k, w_v, w_out
+  OptArray b_[4];   // b_q, b_k, b_v, b_out
+  OptArray bias_kv_[2];
+  int64_t row_stride_[4] = {};
+  bool add_zero_attn_;
+  py::dtype dtype_;
+  bool is_double_ = false;
+  bool result_is_compute_ = true;
+};
+
+PyTypeObject* ndarray_type() {
+  static PyTypeObject* type = reinterpret_cast<PyTypeObject*>(
+      py::module_::import("numpy").attr("ndarray").ptr());  // numpy stays imported
+  return type;
+}
+
+// A plain 3-D ndarray of dtype T with contiguous, aligned rows, seen as
+// (N, L, dim) (a (L, N, dim) array unless batch_first); nullopt otherwise.
+template <typename T>
+std::optional<StridedView<const T, 3>> plain_input(const py::handle& h, bool batch_first) {
+  if (Py_TYPE(h.ptr()) != ndarray_type()) return std::nullopt;
+  const auto a = py::reinterpret_borrow<py::array>(h);
+  const py::ssize_t item = sizeof(T);
+  if (a.ndim() != 3 || !is_dtype(a, py::dtype::of<T>()) || a.strides(2) != item ||
+      a.strides(0) % item || a.strides(1) % item ||
+      reinterpret_cast<std::uintptr_t>(a.data()) % alignof(T))
+    return std::nullopt;
+  StridedView<const T, 3> v;
+  v.data = static_cast<const T*>(a.data());
+  const int outer = batch_first ? 0 : 1;
+  v.shape[0] = a.shape(outer), v.stride[0] = view_stride<T>(a, outer);
+  v.shape[1] = a.shape(1 - outer), v.stride[1] = view_stride<T>(a, 1 - outer);
+  v.shape[2] = a.shape(2), v.stride[2] = 1;
+  return v;
+}
+
+// The core on checked views; (out, weights or None) in the layout of the options.
+template <typename T>
+py::tuple run_mha(MhaArgs<T>& a, const MhaWeights& w, const MhaOptions& o) {
+  const int64_t N = a.query.shape[0], L = a.query.shape[1], E_out = w.out_dim();
+  const int64_t H = a.num_heads;
+  py::array_t<T> out(o.batch_first ? std::vector<py::ssize_t>{N, L, E_out}
+                                   : std::vector<py::ssize_t>{L, N, E_out});
+  a.out.data = out.mutable_data();
+  a.out.shape[0] = N, a.out.shape[1] = L, a.out.shape[2] = E_out;
+  a.out.stride[0] = o.batch_first ? L * E_out : E_out;
+  a.out.stride[1] = o.batch_first ? E_out : N * E_out;
+  a.out.stride[2] = 1;
+  a.causal = o.causal;
+  a.bottom_right = o.bottom_right;
+  py::object weights = py::none();
+  if (o.need_weights) {
+    const int64_t S_src = a.static_k.present() ? a.static_k.shape[2] : a.key.shape[1];
+    const int64_t Sp = S_src + (w.bias_kv() ? 1 : 0) + (w.add_zero_attn() ? 1 : 0);
+    py::array_t<T> probabilities(o.average_weights ? std::vector<py::ssize_t>{N, L, Sp}
+                                                   : std::vector<py::ssize_t>{N, H, L, Sp});
+    a.weights = probabilities.mutable_data();
+    a.average_weights = o.average_weights;
+    weights = std::move(probabilities);
+  }
+  {
+    py::gil_scoped_release release;
+    mha_forward(a);
+  }
+  return py::make_tuple(std::move(out), std::move(weights));
+}
+
+// The forward pass of inputs already canonical (see plain_input); None otherwise.
+template <typename T>
+py::object mha_plain(const MhaWeights& w, const py::handle& query, const py::handle& key,
+                     const py::handle& value, const MhaOptions& o) {
+  // (Self-attention passes one array three times: it is checked once.)
+  const auto q = plain_input<T>(query, o.batch_first);
+  const auto k = key.ptr() == query.ptr() ? q : plain_input<T>(key, o.batch_first);
+  const auto v = value.ptr() == key.ptr() ? k : plain_input<T>(value, o.batch_first);
+  if (!q || !k || !v) return py::none();
+  const int64_t N = q->shape[0], S = k->shape[1];
+  if (q->shape[2] != w.embed_dim() || k->shape[2] != w.kdim() || v->shape[2] != w.vdim() ||
+      k->shape[0] != N || v->shape[0] != N || v->shape[1] != S)
+    return py::none();
+  MhaArgs<T> a;
+  static_cast<MhaParams<T>&>(a) = w.params<T>();
+  a.query = *q, a.key = *k, a.value = *v;
+  return run_mha(a, w, o);
+}
+
+// The forward pass of the canonical arrays attnx._canonical.mha_call made:
+// (query, key, value) as (N, L, dim) views, (attn_mask, key_padding_mask)
+// and (static_k, static_v) as (N, H, L, S) / (N, H, S, hd) arrays or None.
+template <typename T>
+py::tuple mha_canonical(const MhaWeights& w, const py::tuple& call, const MhaOptions& o) {
+  MhaArgs<T> a;
+  static_cast<MhaParams<T>&>(a) = w.params<T>();
+  a.query = const_view<T, 3>(call[0].cast<py::array>(), "query");
+  a.key = const_view<T, 3>(call[1].cast<py::array>(), "key");
+  a.value = const_view<T, 3>(call[2].cast<py::array>(), "value");
+  const int64_t N = a.query.shape[0], L = a.query.shape[1], S = a.key.shape[1];
+  const int64_t E = w.embed_dim(), H = a.num_heads, hd = E / H;
+  require_shape(a.query, "query", {N, L, E});
+  require_shape(a.key, "key", {N, S});
+  require_shape(a.value, "value", {N, S});
+  if (a.key.shape[2] != w.kdim() || a.value.shape[2] != w.vdim())
+    throw py::value_error("key and value: widths " + std::to_string(a.key.shape[2]) + " and " +
+                          std::to_string(a.value.shape[2]) + ", but k_proj_weight and " +
+                          "v_proj_weight take " + std::to_string(w.kdim()) + " and " +
+                          std::to_string(w.vdim()));
+  const auto optional = [](const py::handle& h) {
+    return h.is_none() ? OptArray() : OptArray(h.cast<py::array>());
+  };
+  const OptArray static_k = optional(call[5]), static_v = optional(call[6]);
+  a.static_k = optional_view<T, 4>(static_k, "static_k");
+  a.static_v = optional_view<T, 4>(static_v, "static_v");
+  if (a.static_k.present()) require_shape(a.static_k, "static_k", {N, H, a.static_k.shape[2], hd});
+  if (a.static_v.present()) require_shape(a.static_v, "static_v", {N, H, a.static_v.shape[2], hd});
+  if ((a.static_k.present() && a.bias_k) || (a.static_v.present() && a.bias_v))
+    throw py::value_error("bias_k/bias_v cannot be added to static_k/static_v");
+  const int64_t S_k = a.static_k.present() ? a.static_k.shape[2] : S;
+  const int64_t S_v = a.static_v.present() ? a.static_v.shape[2] : S;
+  if (S_k != S_v) throw py::value_error("keys and values have different lengths");
+  const OptArray masks[kMaxMasks] = {optional(call[3]), optional(call[4])};
+  for (int m = 0; m < kMaxMasks; ++m) {
+    a.masks[m] = optional_view<T, 4>(masks[m], m ? "key_padding_mask" : "attn_mask", false);
+    if (a.masks[m].present()) require_shape(a.masks[m], "mask", {N, H, L, S_k});
+  }
+  return run_mha(a, w, o);
+}
+
+// attnx._canonical.mha_call, imported on first use.
+const py::object& python_mha_call() {
+  static const py::object* call =
+      new py::object(py::module_::import("attnx._canonical").attr("mha_call"));
+  return *call;
+}
+
+py::object mha(const py::object& weights, const py::handle& query, const py::handle& key,
+               const py::handle& value, const py::handle& extras, const py::object& options) {
+  const MhaWeights& w = weights.cast<const MhaWeights&>();
+  const MhaOptions& o = options.cast<const MhaOptions&>();
+  if (extras.is_none() && w.result_is_compute()) {
+    py::object result = w.is_double() ? mha_plain<double>(w, query, key, value, o)
+                                      : mha_plain<float>(w, query, key, value, o);
+    if (!result.is_none()) return result;
+  }
+  // (query, key, value, attn_mask, key_padding_mask, static_k, static_v, finish): the
+  // canonical arrays, and what turns the core's (out, weights) into the result.
+  const py::tuple call =
+      python_mha_call()(weights, query, key, value, extras, options);
+  const py::tuple computed =
+      w.is_double() ? mha_canonical<double>(w, call, o) : mha_canonical<float>(w, call, o);
+  return call[7](computed[0], computed[1]);
+}
+
+// CacheArrays of a KVCache's storage (key, value, lengths), as KVCache.storage() gives them.
+CacheArrays cache_arrays(const py::object& cache) {
+  const py::tuple storage = cache.attr("storage")();
+  py::array key = storage[0].cast<py::array>(), value = storage[1].cast<py::array>();
+  py::array lengths = storage[2].cast<py::array>();
+  CacheArrays c;
+  const py::dtype dt = key.dtype();
+  if (dt.equal(py::dtype::of<float>()))
+    c.element = CacheElement::kFloat32;
+  else if (dt.equal(py::dtype::of<double>()))
+    c.element = CacheElement::kFloat64;
+  else if (dt.kind() == 'f' && dt.itemsize() == 2)
+    c.element = CacheElement::kFloat16;
+  else if (dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16")
+    c.element = CacheElement::kBFloat16;
+  else
+    throw py::type_error("cache: unsupported storage dtype " + std::string(py::str(dt)));
+  for (const py::array* a : {&key, &value}) {
+    if (a->ndim() != 4 || !(a->flags() & py::array::c_style) || !a->writeable() ||
+        !a->dtype().equal(dt))
+      throw py::value_error("cache: keys and values must be writable C-contiguous 4-D arrays");
+  }
+  c.key = key.mutable_data(), c.value = value.mutable_data();
+  c.batch = key.shape(0), c.heads = key.shape(1), c.max_len = key.shape(2);
+  c.head_dim = key.shape(3), c.value_dim = value.shape(3);
+  if (value.shape(0) != c.batch || value.shape(1) != c.heads || value.shape(2) != c.max_len)
+    throw py::value_error("cache: keys and values do not agree");
+  check_array<int64_t>(lengths, "cache lengths", 1, true, true);
+  if (lengths.shape(0) != c.batch) throw py::value_error("cache lengths: wrong shape");
+  c.lengths = static_cast<int64_t*>(lengths.mutable_data());
+  return c;
+}
+
+template <typename T>
+py::array mha_step_typed(const MhaWeights& w, const py::array& rows, const py::object& cache,
+                         const OptArray& lengths, const MhaOptions& o) {
+  MhaStepArgs<T> a;
+  a.params = w.params<T>();
+  if (a.params.bias_k || a.params.add_zero_attn || w.kdim() != w.embed_dim() ||
+      w.vdim() != w.embed_dim())
+    throw py::value_error("mha_step: self-attention parameters only");
+  a.rows = matrix_view<T>(rows, "query");
+  const int64_t E = w.embed_dim(), H = a.params.num_heads;
+  if (a.rows.cols != E) throw py::value_error("query: rows must have embed_dim elements");
+  a.cache = cache_arrays(cache);
+  const int64_t B = a.cache.batch;
+  if (a.cache.heads != H || a.cache.head_dim != E / H || a.cache.value_dim != E / H)
+    throw py::value_error("cache: must have num_heads heads of head_dim E / num_heads");
+  if (B == 0 || a.rows.rows % B != 0)
+    throw py::value_error("query: rows must be a whole number of tokens per sequence");
+  a.batch = B, a.tokens = a.rows.rows / B, a.batch_first = o.batch_first;
+  if (lengths) {
+    a.new_lengths = vector_data<int64_t>(lengths, "lengths", B);
+    for (int64_t b = 0; b < B; ++b)
+      if (a.new_lengths[b] < 0 || a.new_lengths[b] > a.tokens)
+        throw py::value_error("lengths: outside [0, T]");
+  }
+  for (int64_t b = 0; b < B; ++b)
+    if (a.cache.lengths[b] + (a.new_lengths ? a.new_lengths[b] : a.tokens) > a.cache.max_len)
+      throw py::value_error("cache: a sequence would grow past max_len");
+  py::array_t<T> out({a.rows.rows, w.out_dim()});
+  a.out = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    mha_step(a);
+  }
+  return std::move(out);
+}
+
+// out = x . w^T + b.
+template <typename T>
+void linear_typed(const py::array& x, const py::array& w, const OptArray& b, py::array& out) {
+  StridedView<const T, 3> x3;
+  const StridedView<const T, 2> x2 = const_view<T, 2>(x, "x");
+  x3.data = x2.data;
+  x3.shape[0] = 1, x3.shape[1] = x2.shape[0], x3.shape[2] = x2.shape[1];
+  x3.stride[0] = 0, x3.stride[1] = x2.stride[0], x3.stride[2] = 1;
+  const RowMajorView<const T> wv = matrix_view<T>(w, "w");
+  if (wv.cols != x2.shape[1])
+    throw py::value_error("w: shape " + shape_string(w) + " does not match x " + shape_string(x));
+  const T* bias = vector_data<T>(b, "b", wv.rows);
+  const StridedView<T, 2> o2 = mutable_view<T, 2>(out, "out");
+  if (o2.shape[0] != x2.shape[0] || o2.shape[1] != wv.rows)
+    throw py::value_error("out: shape " + shape_string(out) + ", expected (" +
+                          std::to_string(x2.shape[0]) + ", " + std::to_string(wv.rows) + ")");
+  StridedView<T, 3> o3;
+  o3.data = o2.data;
+  o3.shape[0] = 1, o3.shape[1] = o2.shape[0], o3.shape[2] = o2.shape[1];
+  o3.stride[0] = 0, o3.stride[1] = o2.stride[0], o3.stride[2] = 1;
+  if (x2.shape[0] == 0 || wv.rows == 0) return;
+  py::gil_scoped_release release;
+  linear_forward(x3, wv, bias, o3);
+}
+
+}  // namespace
+
+// Messages are put together with std::to_string, not iostreams: a build that
+// links libstdc++ statically (LDFLAGS=-static-libstdc++) next to the shared
+// libstdc++ that other extensions load crashed inside ostream's number
+// formatting, on the error path alone.
+std::string shape_string(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) s += (d ? ", " : "") + std::to_string(a.shape(d));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+void register_mha_testing(py::module_& testing) {
+  testing.def(
+      "run_mha",
+      [](const MhaWeights& w, const py::tuple& call, const py::object& options) {
+        if (call.size() != 7)
+          throw py::value_error("run_mha: call must be (query, key, value, attn_mask, "
+                                "key_padding_mask, static_k, static_v)");
+        const MhaOptions& o = options.cast<const MhaOptions&>();
+        return w.is_double() ? mha_canonical<double>(w, call, o) : mha_canonical<float>(w, call, o);
+      },
+      py::arg("weights"), py::arg("call"), py::arg("options"),
+      "The core's forward pass on canonical (N, L, dim) operands, (N, H, L, S) masks and\n"
+      "(N, H, S, hd) static keys and values: (out, weights or None).");
+  testing.def(
+      "fail_next_step",
+      [](const std::string& stage) {
+        if (stage == "attention")
+          fail_next_step_at(StepStage::kAttention);
+        else if (stage == "output projection")
+          fail_next_step_at(StepStage::kOutputProjection);
+        else
+          throw py::value_error("fail_next_step: stage must be 'attention' or 'output projection'");
+      },
+      py::arg("stage"),
+      "The next decoding step to reach `stage` raises MemoryError there, after it has written\n"
+      "its keys and values.");
+}
+
+void register_mha(py::module_& m) {
+  py::class_<MhaOptions>(m, "MhaOptions", "The checked flags of a multi-head attention call.")
+      .def(py::init([](bool causal, bool bottom_right, bool need_weights, bool average_weights,
+                       bool batch_first) {
+             return MhaOptions{causal, bottom_right, need_weights, average_weights, batch_first};
+           }),
+           py::arg("causal"), py::arg("bottom_right"), py::arg("need_weights"),
+           py::arg("average_weights"), py::arg("batch_first"))
+      .def_readonly("causal", &MhaOptions::causal)
+      .def_readonly("bottom_right", &MhaOptions::bottom_right)
+      .def_readonly("need_weights", &MhaOptions::need_weights)
+      .def_readonly("average_weights", &MhaOptions::average_weights)
+      .def_readonly("batch_first", &MhaOptions::batch_first);
+  py::class_<MhaWeights>(m, "MhaWeights",
+                         "The parameters of multi-head attention, checked once.")
+      .def(py::init<int64_t, const py::tuple&, const py::object&, const py::tuple&,
+                    const py::object&, bool, py::dtype>(),
+           py::arg("num_heads"), py::arg("projections"), py::arg("in_biases"),
+           py::arg("out_projection"), py::arg("bias_kv"), py::arg("add_zero_attn"),
+           py::arg("dtype"))
+      .def_property_readonly("dtype", &MhaWeights::dtype)
+      .def_property_readonly("num_heads", &MhaWeights::num_heads)
+      .def_property_readonly("embed_dim", &MhaWeights::embed_dim)
+      .def_property_readonly("out_dim", &MhaWeights::out_dim)
+      .def_property_readonly("kdim", &MhaWeights::kdim)
+      .def_property_readonly("vdim", &MhaWeights::vdim)
+      .def_property_readonly("bias_kv", &MhaWeights::bias_kv)
+      .def_property_readonly("add_zero_attn", &MhaWeights::add_zero_attn);
+  m.def("mha", &mha, py::arg("weights"), py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("extras"), py::arg("options"),
+        "Multi-head attention forward: (out, weights or None). extras: None, or\n"
+        "(attn_mask, key_padding_mask, static_k, static_v) as the caller gave them.");
+  m.def(
+      "mha_step",
+      [](const MhaWeights& w, const py::array& rows, const py::object& cache,
+         const OptArray& lengths, const py::object& options) {
+        const MhaOptions& o = options.cast<const MhaOptions&>();
+        if (is_dtype(rows, py::dtype::of<double>()) != w.is_double())
+          throw py::type_error("query: expected the weights' dtype");
+        return w.is_double() ? mha_step_typed<double>(w, rows, cache, lengths, o)
+                             : mha_step_typed<float>(w, rows, cache, lengths, o);
+      },
+      py::arg("weights"), py::arg("rows"), py::arg("cache"), py::arg("lengths"),
+      py::arg("options"),
+      "One decoding step over a KVCache: rows (B * T, E) of new tokens in the caller's\n"
+      "order; returns the (B * T, E_out) output rows. The cache's lengths grow on success.");
+  m.def(
+      "linear",
+      [](const py::array& x, const py::array& w, const OptArray& b, py::array& out) {
+        if (is_dtype(x, py::dtype::of<float>()))
+          linear_typed<float>(x, w, b, out);
+        else if (is_dtype(x, py::dtype::of<double>()))
+          linear_typed<double>(x, w, b, out);
+        else
+          throw py::type_error("x: expected float32 or float64");
+      },
+      py::arg("x"), py::arg("w"), py::arg("b"), py::arg("out"),
+      "out = x . w^T + b for x (N, K), w (M, K), b (M,) or None, out (N, M).");
+}
+
+}  // namespace attnx::bindings
