@@ -615,6 +615,12 @@ def calibrate(run: Callable[[], Any], block_seconds: float, max_calls: int = 200
     return max(1, min(max_calls, int(block_seconds / max(once, 1e-7))))
 
 
+def run_block(run: Callable[[], Any], k: int, pause_s: float) -> list[float]:
+    """One block: sleep `pause_s` (other runtimes' spinning threads go quiet), then time `k` calls."""
+    time.sleep(pause_s)
+    return time_calls(run, k)
+
+
 def measure_interleaved(benches: dict[str, Bench], rounds: int, block_seconds: float, pause_s: float) -> dict:
     """Rounds of blocks, one block per library per round, rotating the order each round."""
     names = list(benches)
@@ -628,8 +634,7 @@ def measure_interleaved(benches: dict[str, Bench], rounds: int, block_seconds: f
         for r in range(rounds):
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
-                time.sleep(pause_s)
-                times = time_calls(benches[name].run, calls[name])
+                times = run_block(benches[name].run, calls[name], pause_s)
                 samples[name].extend(times)
                 block_medians[name].append(statistics.median(times))
     return {name: summarize(samples[name], block_medians[name], calls[name]) for name in names}
