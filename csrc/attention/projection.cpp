@@ -26,37 +26,33 @@ namespace {
 constexpr int64_t kRowBlock = 96;
 // Rows of x per task where it has many (a multiple of every MR): each task
 // brings a packed panel from the last-level cache into L2 once for all its
-// row tiles. MHA B8 L128 E768 (1024 rows), projections alone on a Xeon
-// core: 169 GFLOP/s in blocks of 96 rows, 174 in blocks of 192 (median of
-// 15 interleaved runs).
+// row tiles, so blocks of 192 rows bring each panel in half as often as
+// blocks of 96 (measurements: docs/tuning.md).
 constexpr int64_t kManyRowBlock = 192;
 // Beyond the few rows that linear_copies_input counts, y^T = w . x^T (w
 // not packed) is still faster where w is large (at least
 // kTransposedMinWeightBytes) and the rows few (at most w's bytes /
 // kTransposedBytesPerRow, and kTransposedRowsMax): packing a large w is a
-// pass over memory that few rows do not amortise. MHA B1, time against
-// packing on a Xeon, one core and two: E768 L48 -37% and -22%, L128 -19%
-// and -30%, L256 -8% and -2%; E1024 L200 two cores -15%; E512 L64 -20% and
-// +2%, L128 -8% and -20%, but L256 +3% and +14%; E384 L36 0% and +16%; E64
-// L33 +38%. (Both forms give the same bits: the same sums in one order.)
+// pass over memory that few rows do not amortise. For smaller weights, or
+// more rows, packing w pays for itself (measurements: docs/tuning.md).
+// (Both forms give the same bits: the same sums in one order.)
 constexpr int64_t kTransposedRowsMax = 256;
 constexpr double kTransposedMinWeightBytes = 1 << 20;
 constexpr double kTransposedBytesPerRow = 8192;
 // Bytes of a packed panel's block of rows that the gemm keeps in L2 (half
 // of the smallest L2 of the CPUs served, 512 KiB), and the fewest rows.
-// Blocks sized for L1 (16 KiB) were 15% slower with AVX-512: its 64-wide
-// panel left each tile 64 values of a row of x, too short a stream for the
-// prefetcher (x 1024 x 768 times w^T, one Xeon core: 176 GFLOP/s; 188 in
-// blocks of 512 rows, 202 in one); AVX2 panels (16 wide) were as fast
-// either way.
+// Blocks sized for L1 (16 KiB) were slower with AVX-512: its 64-wide panel
+// left each tile 64 values of a row of x, too short a stream for the
+// prefetcher; AVX2 panels (16 wide) were as fast either way (measurements:
+// docs/tuning.md).
 constexpr int64_t kPanelBlockBytes = 256 * 1024;
 constexpr int64_t kMinKBlock = 64;
 // The transposes of the y^T = w . x^T form go in blocks of kTransposeBlock
 // columns of their source, one task each, where they are large enough to
 // share out: an element transposed costs about as much time as
-// kTransposeWork multiply-adds (x 64 x 768: 13 us on one Xeon core). Done
-// on the calling thread alone, they had left the other thread waiting for
-// 13% of a BERT-sized layer's time on 64 tokens (two threads).
+// kTransposeWork multiply-adds. Done on the calling thread alone, they had
+// left the other thread waiting for a noticeable part of a layer's time
+// (measurements: docs/tuning.md).
 constexpr int64_t kTransposeBlock = 64;
 constexpr double kTransposeWork = 32;
 
@@ -78,7 +74,7 @@ int64_t even_row_spacing(const StridedView<U, 3>& v) {
 // multiples of kBlockAlign rows from its start (whole register tiles of 6
 // or 12 rows). Shares cut at multiples of 12 overall had left one of two
 // threads waiting: 1024 rows as 504 and 520; 1024 rows of w in blocks of 96
-// as 576 and 448 (a 3% wait in a one-token layer).
+// as 576 and 448 (measurements: docs/tuning.md).
 struct EvenBlocks {
   static constexpr int64_t kBlockAlign = 12;
   int64_t count, blocks, shares;
@@ -223,9 +219,9 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     const T* x_rows[kDotRowsMax];
     for (int r = 0; r < rows; ++r) x_rows[r] = x.at(r / L, r % L);
     // The multiply-adds and the elements of w read (see
-    // kStreamedElementWork): the one-token layer E768 had run its output
-    // projection (0.6 million multiply-adds over 2.25 MiB of weights) on
-    // one thread of two, and took 1.2x NumPy's time.
+    // kStreamedElementWork): counted by multiply-adds alone, a one-token
+    // layer's projections, reading megabytes of weights, had run on one
+    // thread (measurements: docs/tuning.md).
     const int nthreads =
         threads_for((double(rows) + kStreamedElementWork) * double(in) * double(out));
     const EvenBlocks blocks(out, kRowBlock, nthreads);
@@ -283,9 +279,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   const int64_t tasks = rows_of.sequences * row_blocks * panels;
   // Each thread's share is its rows (kBalanced): a thread done with its own
   // takes the end of another's, which a static schedule left to a core that
-  // another process had slowed. MHA B8 L128 E768 on two threads, in-process
-  // paired runs: 5-6% less time, 16% with another process busy 5 ms in
-  // every 10.
+  // another process had slowed (measurements: docs/tuning.md).
   parallel_for(tasks, nthreads, Schedule::kBalanced, [&](int64_t t) {
     const int64_t p = t % panels, sb = t / panels;
     const int64_t sequence = sb / row_blocks, block = sb % row_blocks;
