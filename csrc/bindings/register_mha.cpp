@@ -278,7 +278,9 @@ py::tuple mha_canonical(const MhaWeights& w, const py::tuple& call, const MhaOpt
     throw py::value_error("bias_k/bias_v cannot be added to static_k/static_v");
   const int64_t S_k = a.static_k.present() ? a.static_k.shape[2] : S;
   const int64_t S_v = a.static_v.present() ? a.static_v.shape[2] : S;
-  if (S_k != S_v) throw py::value_error("keys and values have different lengths");
+  if (S_k != S_v)
+    throw py::value_error("keys and values have different lengths: " + std::to_string(S_k) +
+                          " and " + std::to_string(S_v) + " (check static_k/static_v)");
   const OptArray masks[kMaxMasks] = {optional(call[3]), optional(call[4])};
   for (int m = 0; m < kMaxMasks; ++m) {
     a.masks[m] = optional_view<T, 4>(masks[m], m ? "key_padding_mask" : "attn_mask", false);

@@ -23,6 +23,7 @@ from ._arrays import (
     as_finite_scale,
     as_float,
     as_lengths,
+    check_heads,
     causal_mode,
     check_out,
     kernel_layout,
@@ -217,8 +218,7 @@ def mha_weights(p: dict, num_heads: int, E: int, dtype, result_dtype) -> "_core.
     `dtype` is the compute dtype (the parameters are converted to it) and `result_dtype` the
     dtype results are returned in.
     """
-    if E == 0 or E % num_heads != 0:
-        raise ValueError(f"embed_dim ({E}) must be a positive multiple of num_heads ({num_heads})")
+    check_heads(E, num_heads)
     projections = _projections(p, E, dtype)
     in_biases = None
     if p.get("in_proj_bias") is not None:
@@ -230,13 +230,15 @@ def mha_weights(p: dict, num_heads: int, E: int, dtype, result_dtype) -> "_core.
     w_out = _parameter(p["out_proj_weight"], dtype, "out_proj_weight", (None, E))
     b_out = p.get("out_proj_bias")
     b_out = None if b_out is None else _parameter(b_out, dtype, "out_proj_bias", (w_out.shape[0],))
+    # (Given together, and not with static keys: rules of the core's own, checked there.)
     bias_k, bias_v = p.get("bias_k"), p.get("bias_v")
-    if (bias_k is None) != (bias_v is None):
-        raise ValueError("bias_k and bias_v must both be given or both be None")
     bias_kv = None
-    if bias_k is not None:
+    if bias_k is not None or bias_v is not None:
         pair = []
         for name, b in (("bias_k", bias_k), ("bias_v", bias_v)):
+            if b is None:
+                pair.append(None)
+                continue
             b = as_float(b, dtype, name)
             if b.size != E:
                 raise ValueError(f"{name} must have {E} elements (shape (1, 1, {E})), got shape {shape_str(b.shape)}")
@@ -272,13 +274,12 @@ def _mha_ranks(query, key, value, key_padding_mask, attn_mask) -> bool:
     return batched
 
 
-def _mha_statics(static_k, static_v, dtype, N, H, head_dim, S, has_bias_kv) -> tuple:
-    """static_k / static_v as (N, H, S_static, head_dim) views, and the source length S_src."""
+def _mha_statics(static_k, static_v, dtype, N, H, head_dim, S) -> tuple:
+    """static_k / static_v as (N, H, S_static, head_dim) views, and the source length S_src
+    (static_k's: the core checks that the values have as many)."""
     statics = []
     for name, st in (("static_k", static_k), ("static_v", static_v)):
         if st is not None:
-            if has_bias_kv:
-                raise ValueError("bias_k/bias_v cannot be added to static_k/static_v")
             st = as_float(st, dtype, name)
             if st.ndim != 3 or st.shape[0] != N * H or st.shape[2] != head_dim:
                 raise ValueError(
@@ -287,11 +288,7 @@ def _mha_statics(static_k, static_v, dtype, N, H, head_dim, S, has_bias_kv) -> t
                 )
             st = kernel_layout(st.reshape(N, H, st.shape[1], head_dim))
         statics.append(st)
-    S_k = S if statics[0] is None else statics[0].shape[2]
-    S_v = S if statics[1] is None else statics[1].shape[2]
-    if S_k != S_v:
-        raise ValueError(f"keys and values have different lengths: {S_k} and {S_v} (check static_k/static_v)")
-    return statics[0], statics[1], S_k
+    return statics[0], statics[1], S if statics[0] is None else statics[0].shape[2]
 
 
 def _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src) -> tuple:
@@ -356,7 +353,7 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
                 f"use_separate_proj_weight=True"
             )
     H = weights.num_heads
-    static_k, static_v, S_src = _mha_statics(static_k, static_v, dtype, N, H, E // H, S, weights.bias_kv)
+    static_k, static_v, S_src = _mha_statics(static_k, static_v, dtype, N, H, E // H, S)
     am, kpm = _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src)
     result_dtype = weights.dtype
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _core
 
-from ._arrays import as_bool_flag, as_positive_int, is_floating, shape_str
+from ._arrays import as_bool_flag, as_positive_int, check_heads, is_floating, shape_str
 from .cache import KVCache, _storage_dtype
 from ._canonical import mha_options, mha_step, mha_weights
 
@@ -156,11 +156,9 @@ class MultiheadAttention:
     ):
         embed_dim = as_positive_int(embed_dim, "embed_dim")
         num_heads = as_positive_int(num_heads, "num_heads")
-        if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        self.head_dim = check_heads(embed_dim, num_heads)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
         self.kdim = embed_dim if kdim is None else as_positive_int(kdim, "kdim")
         self.vdim = embed_dim if vdim is None else as_positive_int(vdim, "vdim")
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
