@@ -82,12 +82,10 @@ bool same_view(const StridedView<T, Rank>& a, const StridedView<T, Rank>& b) {
 // nothing appended to or replacing the keys, and rows few enough that each
 // projection copies the input, or that the stacked one is computed
 // transposed: one call then transposes the input once instead of three
-// times, runs one parallel region and allocates once (MHA B1 L16 E64 H4,
-// one thread: 7.4 -> 7.0 us; two threads, in-process interleaved runs: B1
-// L64 E768 H12 -2.6%, B1 L200 E1024 H16 -5.4%). The
-// numbers are the same: each output is the same sum in the same order. (With
-// more rows, packed weights, the projection was no faster as one, and the
-// attention, reading q, k and v from rows of 3E, 3% slower: B8 L128 E768.)
+// times, runs one parallel region and allocates once. The numbers are the
+// same: each output is the same sum in the same order. With more rows the
+// weights are packed, the projection is no faster as one, and the attention
+// reads q, k and v from rows of 3E more slowly (docs/tuning.md).
 template <typename T>
 bool stacked_self_projection(const MhaArgs<T>& a) {
   const int64_t E = a.w_q.rows, rows = a.query.shape[0] * a.query.shape[1];
