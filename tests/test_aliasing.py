@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx import _core
 from conftest import core_mha, core_sdpa, DTYPE_IDS, DTYPES, mha_args, mha_mask, randn, sdpa_mask
 
 

@@ -30,7 +30,6 @@ import pytest
 
 import attnx
 from _hardening import record, scaled, under_address_sanitizer
-from attnx import _core
 from conftest import core_mha, core_sdpa, assert_identical, mha_args, mha_mask, randn, sdpa_mask
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))

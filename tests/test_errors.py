@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx import _core
 from conftest import core_mha, core_sdpa, mha_args, randn
 
 sdpa = attnx.scaled_dot_product_attention

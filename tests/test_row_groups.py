@@ -16,7 +16,6 @@ from conftest import DTYPE_IDS, DTYPES, assert_close, assert_identical, num_thre
 
 import attnx
 import attnx.reference as reference
-from attnx import _core
 
 sdpa = attnx.scaled_dot_product_attention
 

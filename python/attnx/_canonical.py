@@ -12,8 +12,6 @@ once against torch's rules, and goes back as canonical arrays:
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import _core

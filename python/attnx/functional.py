@@ -18,17 +18,13 @@ import numpy as np
 from . import _core
 from ._canonical import mha_options, mha_step, mha_weights, sdpa_options
 from ._arrays import (
-    CAUSAL_CHOICES,
-    additive_mask,
     as_bool_flag,
     as_lengths,
     as_finite_scale,
     as_float,
     as_positive_int,
-    causal_mode,
     check_out,
     kernel_layout,
-    merge_leading,
     result_and_compute_dtype,
     shape_str,
     window_bounds,

@@ -449,7 +449,7 @@ class MultiheadAttention:
             options = _OPTIONS[self.batch_first][need_weights][average_attn_weights]
         else:
             options = mha_options(is_causal, need_weights, average_attn_weights, self.batch_first, attn_mask)
-        if self.dtype not in _COMPUTE_DTYPES:  # half precision: inputs rounded to it first
+        if self.dtype.itemsize == 2:  # half precision: inputs rounded to it first
             query, key, value = self._as_input(query), self._as_input(key), self._as_input(value)
         extras = None if key_padding_mask is None and attn_mask is None else (attn_mask, key_padding_mask, None, None)
         return _core.mha(self._weights(), query, key, value, extras, options)
@@ -569,7 +569,7 @@ class MultiheadAttention:
                 f"step decodes self-attention only: not available for {self!r} "
                 f"(add_bias_kv, add_zero_attn, or kdim/vdim other than embed_dim)"
             )
-        if self.dtype not in _COMPUTE_DTYPES:  # half precision: the new tokens rounded to it first
+        if self.dtype.itemsize == 2:  # half precision: the new tokens rounded to it first
             query = self._as_input(query)
         return mha_step(self._weights(), query, cache, lengths, self.batch_first)
 
