@@ -133,6 +133,10 @@ class _TestingModule:
         weights: npt.NDArray[np.floating] | None,
     ) -> None: ...
     @staticmethod
+    def narrow_16bit(
+        src: npt.NDArray[np.floating], format: str
+    ) -> npt.NDArray[np.uint16]: ...
+    @staticmethod
     def widen_16bit(
         src: npt.NDArray[np.uint16], format: str
     ) -> npt.NDArray[np.float32]: ...

@@ -9,6 +9,7 @@ from ._core import _testing as _hooks
 
 trace_balanced_loop = _hooks.trace_balanced_loop
 widen_16bit = _hooks.widen_16bit
+narrow_16bit = _hooks.narrow_16bit
 run_sdpa = _hooks.run_sdpa
 run_mha = _hooks.run_mha
 fail_next_step = _hooks.fail_next_step
@@ -21,6 +22,7 @@ __all__ = [
     "fail_next_step",
     "run_mha",
     "kernel_facts",
+    "narrow_16bit",
     "plan_sdpa",
     "planner_constants",
     "run_sdpa",
