@@ -1,6 +1,6 @@
 // What the paths of scaled dot-product attention share: keys and values read
-// as T, the band of keys each query row may attend, and the masks applied a
-// row at a time.
+// as T, and the values accumulated so that a closed key's value never reaches
+// a row. The bands and masks are in attention/masking/.
 #pragma once
 
 #include <algorithm>
@@ -8,14 +8,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention/softmax_rules.h"
+#include "attention/masking/masking.h"
 #include "attnx/attention.h"
 #include "dispatch/parallel.h"
 #include "kernels/kernel_table.h"
 
 namespace attnx::sdpa {
-
-constexpr int kMaxTile = 64;  // the widest query tile of any kernel
 
 // Rows of one (b, head) of the keys or the values, as T: read in place, or
 // widened from 16-bit storage into a buffer one block at a time.
@@ -61,107 +59,7 @@ RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_
   return r;
 }
 
-template <typename T>
-int64_t key_length(const SdpaArgs<T>& a, int64_t b) {
-  return a.range.key_lengths ? a.range.key_lengths[b] : a.mask_cols;
-}
 
-template <typename T>
-int64_t query_length(const SdpaArgs<T>& a, int64_t b) {
-  return a.range.query_lengths ? a.range.query_lengths[b] : a.query.shape[2];
-}
-
-// The source keys [lo, hi) a row may attend, masks aside (see KeyRange).
-// hi <= the key length always; an empty band has lo == hi. Over the rows of
-// one batch both ends only move right, padding rows aside.
-struct Band {
-  int64_t lo = 0, hi = 0;
-  bool empty() const { return hi <= lo; }
-};
-
-// The band of row i of a batch whose query and key lengths are qlen and klen.
-inline Band band_of(const KeyRange& r, int64_t qlen, int64_t klen, int64_t i) {
-  if (i >= qlen) return {0, 0};
-  Band band{0, klen};
-  if (r.banded()) {
-    const int64_t diagonal = i + (r.bottom_right ? klen - qlen : 0);
-    if (r.causal) band.hi = std::min(band.hi, diagonal + 1);
-    if (r.window_right >= 0) band.hi = std::min(band.hi, diagonal + r.window_right + 1);
-    if (r.window_left >= 0) band.lo = std::min(klen, std::max(band.lo, diagonal - r.window_left));
-  }
-  band.hi = std::max(band.hi, band.lo);
-  return band;
-}
-
-template <typename T>
-Band row_band(const SdpaArgs<T>& a, int64_t b, int64_t i) {
-  return band_of(a.range, query_length(a, b), key_length(a, b), i);
-}
-
-// What masking found in a range of keys.
-struct KeyStates {
-  bool any_open = false;
-  bool any_closed = false;
-};
-
-// The masks' values for key j, summed as torch merges them. The key is closed
-// where the sum is -inf; a +inf or NaN of one mask where another is -inf sums
-// to NaN, so the key stays open and the NaN reaches the row, as in torch.
-template <typename T>
-T merged_masks(const T* const* rows, const int64_t* steps, int count, int64_t j) {
-  T sum = 0;
-  for (int m = 0; m < count; ++m) sum += rows[m][j * steps[m]];
-  return sum;
-}
-
-// Applies the key range and the masks to the scores of query row i against
-// keys [j0, j0 + n). A closed key (outside the row's band, or masks summing
-// to -inf) gets the score -inf by selection, not addition, so that a NaN in
-// its key cannot reach this row. `masks_zero`: the caller knows the masks
-// add exactly 0 to these keys (s + 0 is s), and they are not read.
-template <typename T>
-KeyStates apply_masks(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j0,
-                      int64_t n, T* s, bool masks_zero = false) {
-  const int64_t end = j0 + n;
-  const int64_t masked_end = std::clamp(a.mask_cols, j0, end);  // keys past it are always open
-  const Band band = row_band(a, b, i);
-  int64_t open_begin = std::max(j0, band.lo), open_end = std::min(masked_end, band.hi);
-  if (open_end < open_begin) open_begin = open_end = j0;
-  for (int64_t j = j0; j < open_begin; ++j) s[j - j0] = kNegInf<T>;
-  for (int64_t j = open_end; j < masked_end; ++j) s[j - j0] = kNegInf<T>;
-  KeyStates states;
-  states.any_open = masked_end < end;
-  states.any_closed = open_begin > j0 || open_end < masked_end;
-  const T* rows[kMaxMasks];
-  int64_t steps[kMaxMasks];
-  int count = 0;
-  for (const auto& mask : a.masks)
-    if (mask.present()) rows[count] = mask.at(b, h, i), steps[count++] = mask.stride[3];
-  if (count == 0 || masks_zero) {
-    states.any_open = states.any_open || open_end > open_begin;
-    return states;
-  }
-  for (int64_t j = open_begin; j < open_end; ++j) {
-    const T added = merged_masks(rows, steps, count, j);
-    const bool open = added != kNegInf<T>;
-    s[j - j0] = open ? s[j - j0] + added : kNegInf<T>;
-    states.any_open = states.any_open || open;
-    states.any_closed = states.any_closed || !open;
-  }
-  return states;
-}
-
-// Whether query i may not attend key j (outside its band, or masked).
-template <typename T>
-bool key_closed(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i, int64_t j) {
-  if (j >= a.mask_cols) return false;
-  const Band band = row_band(a, b, i);
-  if (j < band.lo || j >= band.hi) return true;
-  T added = 0;  // as merged_masks
-  for (const auto& mask : a.masks)
-    if (mask.present()) added += mask.at(b, h, i)[j * mask.stride[3]];
-  return added == kNegInf<T>;
-}
 
 template <typename T>
 bool rows_finite(const KernelTable<T>& kt, const T* v, int64_t ldv, int64_t n, int64_t dim) {
@@ -221,52 +119,5 @@ struct FiniteRows {
   }
 };
 
-// The masks of rows [i0, i0 + rows) of (b, h) as one row of keys, where
-// they are the same for each of those rows: broadcast over queries (as a
-// key padding mask is), or a single row. `shared` is false otherwise.
-template <typename T>
-struct SharedMaskRow {
-  const T* rows[kMaxMasks];
-  int64_t steps[kMaxMasks];
-  int count = 0;
-  bool shared = true;
-  T at(int64_t j) const { return merged_masks(rows, steps, count, j); }
-};
-
-template <typename T>
-SharedMaskRow<T> shared_mask_row(const SdpaArgs<T>& a, int64_t b, int64_t h, int64_t i0,
-                                 int64_t rows) {
-  SharedMaskRow<T> row;
-  for (const auto& mask : a.masks) {
-    if (!mask.present()) continue;
-    if (rows > 1 && mask.stride[2] != 0) row.shared = false;
-    row.rows[row.count] = mask.at(b, h, i0);
-    row.steps[row.count++] = mask.stride[3];
-  }
-  return row;
-}
-
-// The source keys [lo, hi) outside of which the shared masks close every
-// key (a batch's padding), so that those keys need not be computed; all of
-// [0, mask_cols) where the masks are not shared. A closed key adds nothing
-// to a row (probability 0, its value never read).
-template <typename T>
-Band keys_open_in_masks(const SdpaArgs<T>& a, const SharedMaskRow<T>& masks) {
-  Band open{0, a.mask_cols};
-  if (!masks.shared || masks.count == 0) return open;
-  while (open.lo < open.hi && masks.at(open.lo) == kNegInf<T>) ++open.lo;
-  while (open.hi > open.lo && masks.at(open.hi - 1) == kNegInf<T>) --open.hi;
-  return open;
-}
-
-// Whether the shared masks add exactly 0 to keys [j0, j0 + n): the open
-// keys of a padding mask, which then need no masking (s + 0 is s).
-template <typename T>
-bool shared_masks_zero(const SharedMaskRow<T>& masks, int64_t j0, int64_t n) {
-  if (!masks.shared) return false;
-  for (int64_t j = j0; j < j0 + n; ++j)
-    if (masks.at(j) != T(0)) return false;
-  return true;
-}
 
 }  // namespace attnx::sdpa

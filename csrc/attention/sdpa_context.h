@@ -2,7 +2,7 @@
 // call, the kernels, the plan, and what the driver prepared for the paths.
 #pragma once
 
-#include "attention/mask_blocks.h"
+#include "attention/masking/mask_blocks.h"
 #include "attention/sdpa_common.h"
 #include "attention/sdpa_plan.h"
 #include "attnx/attention.h"

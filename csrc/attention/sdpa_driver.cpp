@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "attention/cache_line_array.h"
-#include "attention/mask_blocks.h"
+#include "attention/masking/mask_blocks.h"
 #include "attention/sdpa_common.h"
 #include "attention/sdpa_context.h"
 #include "attention/sdpa_plan.h"

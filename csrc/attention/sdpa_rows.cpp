@@ -42,46 +42,17 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   std::fill(acc, acc + rows * Ev, T(0));
   std::fill(m, m + rows, kNegInf<T>);
   std::fill(l, l + rows, T(0));
-  // The keys any of the rows may attend: blocks outside are skipped.
-  int64_t lo = a.mask_cols, hi = 0;
   for (int64_t r = 0; r < rows; ++r) {
     head[r] = kv_head * group + (r0 + r) / L;
     row[r] = (r0 + r) % L;
     q_rows[r] = a.query.at(b, head[r], row[r]);
     s_rows[r] = tile + r * kKeyBlock;
     acc_rows[r] = acc + r * Ev;
-    const Band band = row_band(a, b, row[r]);
-    if (!band.empty()) lo = std::min(lo, band.lo), hi = std::max(hi, band.hi);
   }
-  // And that the masks leave open to any of them, in whole blocks: the
-  // kernels' sums over a block's keys (exp_shift_sum, the P.V) group them by
-  // their place in the block, and a block cut at either end would round
-  // differently.
-  Band mask_open{a.mask_cols, 0};
-  for (int64_t r = 0; r < rows; ++r) {
-    const Band open_keys = keys_open_in_masks(a, shared_mask_row(a, b, head[r], row[r], 1));
-    if (!open_keys.empty())
-      mask_open.lo = std::min(mask_open.lo, open_keys.lo),
-      mask_open.hi = std::max(mask_open.hi, open_keys.hi);
-  }
-  // Where every row reads the same row of the masks (a padding mask,
-  // broadcast over heads and queries), a block where it adds 0 is not
-  // masked (the flash tile does the same).
-  const SharedMaskRow<T> first_masks = shared_mask_row(a, b, head[0], row[0], 1);
-  bool one_mask_row = first_masks.count > 0;
-  for (int64_t r = 1; r < rows && one_mask_row; ++r) {
-    const SharedMaskRow<T> masks = shared_mask_row(a, b, head[r], row[r], 1);
-    for (int m = 0; m < masks.count; ++m)
-      one_mask_row = one_mask_row && masks.rows[m] == first_masks.rows[m];
-  }
-  if (mask_open.lo > j_begin)
-    lo = std::max(lo, j_begin + (mask_open.lo - j_begin) / kKeyBlock * kKeyBlock);
-  if (mask_open.hi <= mask_open.lo)
-    hi = 0;  // every source key closed
-  else if (mask_open.hi > j_begin)
-    hi = std::min(hi, j_begin + (mask_open.hi - j_begin + kKeyBlock - 1) / kKeyBlock * kKeyBlock);
-  else
-    hi = std::min(hi, j_begin);
+  // The keys any of the rows may attend, in whole blocks, and whether they
+  // read one row of the masks.
+  RowMasks<T> masks;
+  masks.begin(a, b, head, row, rows, j_begin, kKeyBlock);
 
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
   const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
@@ -93,13 +64,10 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   const bool direct_keys = rows <= 4 && keys.bits, direct_values = rows <= 4 && values.bits;
   const int n_rows = static_cast<int>(rows);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
-    int64_t start = j0, n = std::min(kKeyBlock, j_end - j0);
-    if (j0 + n <= a.mask_cols) {  // source keys only: cut to the rows' band
-      start = std::max(j0, lo);
-      const int64_t stop = std::min(j0 + n, hi);
-      if (stop <= start) continue;
-      n = stop - start;
-    }
+    // A block of source keys is cut to the rows' keys, or skipped.
+    const Band part = keys_of_block(masks.keys, a.mask_cols, j0, std::min(kKeyBlock, j_end - j0));
+    if (part.empty()) continue;
+    const int64_t start = part.lo, n = part.hi - part.lo;
     int64_t ldk = 0, ldv = 0;
     const T* kb = direct_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
     const T* vb = direct_values ? nullptr : values.rows(start, n, v_buf, ldv);
@@ -116,12 +84,10 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     const T* p_plain[kQueryBlock];
     T* acc_plain[kQueryBlock];
     int plain = 0;
-    const bool masks_zero =
-        one_mask_row && start < a.mask_cols &&
-        shared_masks_zero(first_masks, start, std::min(n, a.mask_cols - start));
+    const MaskBlock mask_block = masks.classify(a, start, n);
     for (int64_t r = 0; r < rows; ++r) {
       T* s = s_rows[r];
-      const KeyStates states = apply_masks(a, b, head[r], row[r], start, n, s, masks_zero);
+      const KeyStates states = masks.apply(a, b, head[r], row[r], start, n, s, mask_block);
       open[r] = open[r] || states.any_open;
       // (2) new running max and the rescale of what was accumulated
       const T m_new = max_ignoring_nan(m[r], kt.row_max(s, n));

@@ -17,7 +17,6 @@
 #include <type_traits>
 #include <utility>
 
-#include "attention/sdpa_tile_masks.h"
 #include "attention/sdpa_tiles.h"
 
 namespace attnx::sdpa {
@@ -104,13 +103,8 @@ template <typename T>
 struct FlashTile {
   int64_t b = 0, h = 0, i0 = 0, rows = 0;
   int lanes = 0;  // the tile's queries rounded up to whole vectors
-  // Each lane's band; the tile's keys are [keys_lo, keys_hi) of the union.
-  int64_t lo[kMaxTile], hi[kMaxTile];
-  bool open[kMaxTile];
-  bool has_masks = false;
-  SharedMaskRow<T> shared_masks;
-  const MaskBlock* blocks = nullptr;
-  int64_t keys_lo = 0, keys_hi = 0;
+  TileMasks<T> masks;  // each lane's band, the masks, the tile's mask blocks
+  Band keys;           // the keys the tile computes (see TileMasks::flash_keys)
   LineRequests pending;
   int64_t request_from = 0;
   bool have_total = false;  // whether o_total and l_total hold a merged chunk
@@ -129,7 +123,6 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
                       FlashTile<T>& t) {
   const SdpaArgs<T>& a = c.args;
   const KernelTable<T>& kt = c.kt;
-  const MaskBlockMap<T>& mask_blocks = c.mask_blocks;
   const int64_t key_block = c.plan.key_block;
   const int qt = kt.query_tile;
   const int64_t L = a.query.shape[2], S = a.key.shape(2);
@@ -151,23 +144,8 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   t.l_total = t.l + qt;
   t.m = t.l_total + qt;
 
-  t.has_masks = tile_bands(a, b, qlen, i0, rows, t.lo, t.hi, t.open);
-  // Keys that the masks close for every row are skipped as those outside
-  // the band: blocks past the last open key are skipped and the block
-  // holding it cut, which keeps the bits (only terms of 0 go). Before the
-  // first, only whole blocks: the P.V of a block cut at its start would sum
-  // its values in other runs (kSumRun) and round differently.
-  // So are the blocks that the map of mask blocks finds closed to every row
-  // of the tile (a causal or block mask): those at either end here, those
-  // between as the visits meet them.
-  t.shared_masks = shared_mask_row(a, b, h, i0, rows);
-  const Band mask_open = keys_open_in_masks(a, t.shared_masks);
-  t.blocks = mask_blocks.tile(b, h, i0);
-  const auto map_open = t.blocks ? mask_blocks.open_keys(t.blocks)
-                                 : typename MaskBlockMap<T>::Open{0, a.mask_cols};
-  t.keys_lo = std::max(
-      {t.lo[0], mask_open.lo / key_block * key_block, map_open.lo / key_block * key_block});
-  t.keys_hi = std::min({t.hi[rows - 1], mask_open.hi, map_open.hi});
+  t.masks.begin(a, c.mask_blocks, b, h, qlen, i0, rows);
+  t.keys = t.masks.flash_keys(key_block);
 
   // The query lanes computed: the tile's queries rounded up to whole vectors
   // (the tile of a short sequence, or the last of a longer one, leaves the
@@ -190,7 +168,7 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   t.pending.ranges[0] = row_lines(a.out.at(b, h, i0), a.out.stride[2], rows, Ev);
   t.pending.ranges[1] = next_tile_queries(a, qt, b, h, i0);
   const int64_t most_lines = std::max(t.pending.ranges[0].size(), t.pending.ranges[1].size());
-  const int64_t last_key = S > a.mask_cols ? S : std::min(S, t.keys_hi);
+  const int64_t last_key = S > a.mask_cols ? S : std::min(S, t.keys.hi);
   t.request_from = last_key - (most_lines + key_block - 1) / key_block * key_block;
   return true;
 }
@@ -202,10 +180,9 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
                        T* scratch, bool ask_ahead, const AlignedValues<T>* aligned_values) {
   const SdpaArgs<T>& a = c.args;
   const KernelTable<T>& kt = c.kt;
-  const MaskBlockMap<T>& mask_blocks = c.mask_blocks;
   const FiniteRows& finite_values = c.finite_values;
   const int64_t key_block = c.plan.key_block;
-  if (c1 <= a.mask_cols && (c1 <= t.keys_lo || c0 >= t.keys_hi)) return;  // outside every band
+  if (c1 <= a.mask_cols && (c1 <= t.keys.lo || c0 >= t.keys.hi)) return;  // outside every band
   const int qt = kt.query_tile;
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
   const int64_t b = t.b, h = t.h, i0 = t.i0, rows = t.rows;
@@ -231,18 +208,13 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
   // (o is not cleared beforehand).
   bool first_block = true;
   for (int64_t j0 = c0; j0 < c1; j0 += key_block) {
-    int64_t start = j0, n = std::min(key_block, c1 - j0);
-    MaskBlock mask_block = MaskBlock::kMixed;
-    if (j0 + n <= a.mask_cols) {
-      // Source keys only: a block outside the tile's keys is skipped, one
-      // across their ends is cut (causal: the diagonal block).
-      start = std::max(j0, t.keys_lo);
-      const int64_t stop = std::min(j0 + n, t.keys_hi);
-      if (stop <= start) continue;
-      n = stop - start;
-      if (t.blocks) mask_block = mask_blocks.state(t.blocks, start, stop);
-      if (mask_block == MaskBlock::kClosed) continue;
-    }
+    // A block outside the tile's keys is skipped, one across their ends is
+    // cut (causal: the diagonal block), and one the map closes is skipped.
+    const Band part = keys_of_block(t.keys, a.mask_cols, j0, std::min(key_block, c1 - j0));
+    if (part.empty()) continue;
+    const int64_t start = part.lo, n = part.hi - part.lo;
+    const MaskBlock mask_block = t.masks.classify(a, start, n);
+    if (mask_block == MaskBlock::kClosed) continue;
     // (1) scores
     int64_t ldk, ldv;
     const T* kb = keys.rows(start, n, k_buf, ldk);
@@ -257,20 +229,8 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     } else {
       kt.gemm(n, t.lanes, E, kb, ldk, 1, t.q_t, qt, st, qt, GemmInit::kZero, nullptr);
     }
-    // (2) masks; the band rules only where a band end crosses the block
-    const int64_t source_end = std::min(start + n, a.mask_cols);
-    const bool crosses_band =
-        start < source_end && (start < t.lo[rows - 1] || source_end > t.hi[0]);
-    bool any_closed = false;
-    if (t.has_masks && !crosses_band && start + n <= a.mask_cols &&
-        (mask_block == MaskBlock::kZero || shared_masks_zero(t.shared_masks, start, n))) {
-      // The masks add 0 (a padding mask's open keys, a causal mask's
-      // blocks below the diagonal): every row of the tile is open.
-      std::fill(t.open, t.open + rows, true);
-    } else if (t.has_masks || crosses_band) {
-      any_closed =
-          close_tile(a, kt, b, h, i0, rows, start, n, qt, t.lo, t.hi, st, t.open, mask_scratch);
-    }
+    // (2) bands and masks
+    const bool any_closed = t.masks.apply(a, kt, mask_block, start, n, st, mask_scratch);
     // (3) online softmax
     if (start >= t.request_from) {
       kt.softmax_tile(st, n, t.lanes, m, l, alpha, t.pending);
@@ -344,7 +304,7 @@ void finish_flash_tile(const SdpaContext<T>& c, FlashTile<T>& t) {
   }
   for (int64_t r = 0; r < t.rows; ++r) {
     T* out = a.out.at(t.b, t.h, t.i0 + r);
-    if (!t.open[r]) {
+    if (!t.masks.open[r]) {
       std::fill(out, out + Ev, T(0));
     } else {
       kt.scale(t.o_total + r * Ev, Ev, T(1) / t.l_total[r], out);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "attention/sdpa_tile_masks.h"
 #include "attention/sdpa_weights_tile.h"
 
 namespace attnx::sdpa {
@@ -12,7 +11,6 @@ template <typename T>
 void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* scratch) {
   const SdpaArgs<T>& a = c.args;
   const KernelTable<T>& kt = c.kt;
-  const MaskBlockMap<T>& mask_blocks = c.mask_blocks;
   const int64_t key_block = c.plan.key_block;
   const int qt = kt.query_tile, W = kt.vector_width;
   const int64_t Hq = a.query.shape[1], L = a.query.shape[2], S = a.key.shape(2);
@@ -37,27 +35,13 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
   T* mask_scratch = v_buf + key_block * Ev;  // 2 x key_block x qt
   T* w_rows = mask_scratch + 2 * key_block * qt;  // qt x S_lanes: the weights' rows
 
-  int64_t lo[kMaxTile], hi[kMaxTile];
-  bool open[kMaxTile];
-  const bool has_masks = tile_bands(a, b, qlen, i0, rows, lo, hi, open);
-  // Keys past the last band end, or past the last key the masks leave open
-  // to any row (a batch's padding), and not appended, are closed to every
-  // row: not read, weight 0. (Only terms of 0 go from the sums: the same
-  // bits.)
-  // Blocks that the map of mask blocks finds closed to every row of the tile
-  // are not computed either: scores -inf, weights 0, values not read.
-  const SharedMaskRow<T> shared_masks = shared_mask_row(a, b, h, i0, rows);
-  const Band mask_open = keys_open_in_masks(a, shared_masks);
-  const MaskBlock* blocks = mask_blocks.tile(b, h, i0);
-  const int64_t map_end = blocks ? mask_blocks.open_keys(blocks).hi : S;
-  const int64_t S_end =
-      S > a.mask_cols ? S
-                      : std::min({S, hi[rows - 1], mask_open.empty() ? 0 : mask_open.hi, map_end});
-  // The block of keys [j0, j0 + n) by the map.
-  auto block_at = [&](int64_t j0, int64_t n) {
-    return blocks && j0 + n <= a.mask_cols ? mask_blocks.state(blocks, j0, j0 + n)
-                                           : MaskBlock::kMixed;
-  };
+  // The keys computed end at S_end (see TileMasks::weights_end). Blocks
+  // that the map of mask blocks finds closed to every row of the tile are
+  // not computed either: scores -inf, weights 0, values not read.
+  TileMasks<T> masks;
+  masks.begin(a, c.mask_blocks, b, h, qlen, i0, rows);
+  const bool* open = masks.open;
+  const int64_t S_end = masks.weights_end(a);
   const int lanes = static_cast<int>((rows + W - 1) / W) * W;
   kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
@@ -68,7 +52,7 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
   for (int64_t j0 = 0; j0 < S_end; j0 += key_block) {
     const int64_t n = std::min(key_block, S_end - j0);
     T* sb = st + j0 * qt;
-    const MaskBlock mask_block = block_at(j0, n);
+    const MaskBlock mask_block = masks.classify(a, j0, n);
     if (mask_block == MaskBlock::kClosed) {
       std::fill(sb, sb + n * qt, kNegInf<T>);
       continue;
@@ -76,15 +60,7 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
     int64_t ldk;
     const T* kb = keys.rows(j0, n, k_buf, ldk);
     kt.gemm(n, lanes, E, kb, ldk, 1, q_t, qt, sb, qt, GemmInit::kZero, nullptr);
-    const int64_t source_end = std::min(j0 + n, a.mask_cols);
-    const bool crosses_band = j0 < source_end && (j0 < lo[rows - 1] || source_end > hi[0]);
-    if (has_masks && !crosses_band && j0 + n <= a.mask_cols &&
-        (mask_block == MaskBlock::kZero || shared_masks_zero(shared_masks, j0, n))) {
-      std::fill(open, open + rows, true);  // the masks add 0 (as in visit_flash_chunk)
-    } else if (has_masks || crosses_band) {
-      any_closed = close_tile(a, kt, b, h, i0, rows, j0, n, qt, lo, hi, sb, open, mask_scratch) ||
-                   any_closed;
-    }
+    any_closed = masks.apply(a, kt, mask_block, j0, n, sb, mask_scratch) || any_closed;
   }
   // (3) the scores transposed into the rows of the weights (zero past
   // S_end), straight into the weights where their rows are whole vectors
@@ -121,7 +97,7 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
   bool first_block = true;
   for (int64_t j0 = 0; j0 < S_end; j0 += key_block) {
     const int64_t n = std::min(key_block, S_end - j0);
-    if (block_at(j0, n) == MaskBlock::kClosed) continue;
+    if (masks.closed(a, j0, n)) continue;
     int64_t ldv;
     const T* vb = values.rows(j0, n, v_buf, ldv);
     // A closed key has probability 0, and 0 * NaN would carry a NaN in its

@@ -1,4 +1,4 @@
-#include "attention/mask_blocks.h"
+#include "attention/masking/mask_blocks.h"
 
 #include <algorithm>
 
