@@ -91,8 +91,8 @@ void accumulate_values(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t b
 
 // Whether each value row of each (b, key head) is all finite, for keys
 // [0, S_read): taken once a call where query tiles would check the same
-// blocks of values again and again (a masked call: B2 H12 L512, 6.6% of
-// its time went to those checks).
+// blocks of values again and again, as in a masked call (see
+// docs/tuning.md).
 struct FiniteRows {
   std::vector<uint8_t> flags;  // empty: not taken
   int64_t heads = 0, keys = 0;

@@ -112,11 +112,9 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   // Each thread runs a contiguous share of the tasks, in which a head's tasks
   // follow each other, so its keys and values are read into that core's
   // cache alone; a thread done with its share takes the end of another's
-  // (kBalanced). Before, heads went whole to whichever thread was free, and
-  // a core slowed for a moment left the other idle for up to a head's time
-  // at the end. Two threads on a 2-core VM, in-process paired runs: D128
-  // L2048 H8 3-7% less time; with another process busy 5 ms in every 10,
-  // L1024 3-5% and the causal L2048 3-6%; elsewhere level within 2%.
+  // (kBalanced). Handing out whole heads to whichever thread is free
+  // instead, a core slowed for a moment leaves the other idle for up to a
+  // head's time at the end (see docs/tuning.md).
   const int64_t chunks = plan.chunks, q_groups = plan.q_groups, heads = plan.heads;
   parallel_for(plan.tasks, nthreads, Schedule::kBalanced, [&](int64_t t) {
     T* my_scratch = scratch + current_thread() * scratch_per_thread;

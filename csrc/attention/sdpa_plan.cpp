@@ -26,12 +26,9 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
   // weights takes the query rows of all heads that share a key head
   // together, and splits long key sequences into chunks merged afterwards,
   // so that one (b, key head) of a decoding step can use every core. The
-  // split depends on the shape only, never on the thread count.
-  // (With a quarter of a tile of queries, the row path was faster: L8
-  // against 32-query tiles, AVX-512, in-process interleaved runs: B8 H12
-  // S128 -9%, B4 H12 S1024 -4%, B1 H32 S4096 D128 -23%; L4 against AVX2's
-  // 16-query tiles: level to -29%. At L10 the tiles were 21% faster on B4 H12
-  // S1024 D64, the rows 13% faster on B1 H32 S4096 D128.)
+  // split depends on the shape only, never on the thread count. With a
+  // quarter of a tile of queries or fewer, the row path is the faster (see
+  // docs/tuning.md).
   const bool tiled = !call.weights && L * 4 > kernel.query_tile;
   const bool weights_tiled =
       call.weights && L * 4 >= kernel.query_tile && weights_tile_fits<T>(kernel.query_tile, S);

@@ -59,8 +59,8 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   // 16-bit keys and values are read straight from storage by the 16-bit row
   // kernels, widened in registers, for up to 4 rows (decoding, grouped heads
   // included); for more rows a block is widened once into a buffer and read
-  // from there by every row. (Decoding at H32 D128, 2k-8k keys: direct reads
-  // took 25-30% less time than widening into a buffer.)
+  // from there by every row: for a few rows, widening again for each costs
+  // less than storing the block and loading it back (see docs/tuning.md).
   const bool direct_keys = rows <= 4 && keys.bits, direct_values = rows <= 4 && values.bits;
   const int n_rows = static_cast<int>(rows);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {

@@ -160,10 +160,8 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   // The lines of this tile's output rows and of the next tile's query rows
   // are requested during the softmax of the last blocks, a line of each per
   // key, so that the stores of finish_flash_tile and the next tile's pack
-  // find them in cache. (B8 H12 L128 D64: each would otherwise cost a burst
-  // of 128 misses per tile that stalls the core; requested, the call took 8%
-  // less time on one Zen 3 core and 11% less on two, median of 10
-  // interleaved runs.)
+  // find them in cache: each would otherwise cost a burst of misses per
+  // tile that stalls the core (see docs/tuning.md).
   t.pending = LineRequests{};
   t.pending.ranges[0] = row_lines(a.out.at(b, h, i0), a.out.stride[2], rows, Ev);
   t.pending.ranges[1] = next_tile_queries(a, qt, b, h, i0);

@@ -15,18 +15,14 @@ namespace attnx::sdpa {
 // 256: E = Ev = 16, float32: 192). A block's keys, values and score tile
 // come from L2 once per query tile whatever its length, and longer blocks
 // amortise the per-block work (the online softmax's rescaling, the P.V
-// tile's loads and stores of the accumulator). Sized to fit a 48 KiB L1
-// instead, large heads got short blocks and lost to that work: 128 keys
-// against 32 (AVX-512, one core, in-process interleaved runs): D128 L1024
-// -6.5%, D256 -7%, float64 D64 -6%, float64 D128 -10%; D80 against 48 keys
-// -3%; AVX2 D128 -4%. With D64 (64 keys before) it was level within 1%.
+// tile's loads and stores of the accumulator). Sized to fit L1 instead,
+// large heads get short blocks and lose to that work (see docs/tuning.md).
 // Calls that may skip blocks (`skips_blocks`: a causal band or window, key
 // or query lengths, or masks, whose closed blocks are skipped) take at least
-// 64 keys instead: blocks of 128 skip too coarsely (block-sparse masks in
-// 64 x 64 blocks took 1.9x the time, documents of 64 tokens 1.16x), and
-// for D64 64 keys were as fast. One rule for all of them keeps the bits the
-// same whichever way a mask is given: written out or broadcast, or as
-// is_causal.
+// 64 keys instead: blocks of 128 skip too coarsely (block-sparse masks,
+// short documents), and for D64 64 keys are as fast. One rule for all of
+// them keeps the bits the same whichever way a mask is given: written out
+// or broadcast, or as is_causal.
 template <typename T>
 int64_t tile_key_block(int qt, int64_t E, int64_t Ev, bool skips_blocks) {
   const int64_t keys = (48 * 1024) / ((E + Ev + qt) * int64_t(sizeof(T)));
@@ -36,8 +32,8 @@ int64_t tile_key_block(int qt, int64_t E, int64_t Ev, bool skips_blocks) {
 // Keys per accumulation chunk of the tile path. Blocks add into a chunk's
 // accumulator, and chunks into the total: float32 sums then take
 // S / kTileChunk + kTileChunk / key_block steps rather than S / key_block,
-// which kept the error at a few 1e-6 over a million keys (one running sum
-// reached 2e-4 there).
+// which keeps the rounding error of very long key sequences near that of
+// short ones (see docs/tuning.md).
 constexpr int64_t kTileChunk = 1024;
 
 // Query tiles per task of the flash path where a tile's keys span several
@@ -48,7 +44,7 @@ constexpr int64_t kMaxTileGroup = 16;
 constexpr int64_t kTileGroupBytes = 512 * 1024;
 // Tiles are grouped only where a head's keys and values outgrow this:
 // those of 2048 keys of D64 (1 MiB) stay in L2 from one tile to the next,
-// and grouped, the causal B1 H12 L2048 D64 took 1.4% longer.
+// where grouping only costs (see docs/tuning.md).
 constexpr double kTileGroupMinKeyBytes = 1 << 20;
 
 // A tile whose keys and values come from memory waits on their misses, a
@@ -61,10 +57,7 @@ constexpr double kTileGroupMinKeyBytes = 1 << 20;
 // of the gemm (asked all at once, they stalled the core). Only in calls
 // that read more than kAheadMinCallBytes of keys and values, which do not
 // stay in cache from one call to the next: where they did, the requests
-// cost more than they saved. Two threads, L16 against S4096 D128, in-process
-// interleaved runs on a Xeon with a large shared L3: H8 and H16 (32 and 64
-// MiB) +14% and -2%, H24 -21%, H32 -20% (L32 -16%, L64 -11%, L128 -6%);
-// D64, H64: L16 -17%, L128 -3%.
+// cost more than they saved (see docs/tuning.md).
 constexpr double kAheadMinCallBytes = 64 << 20;
 
 // Elements of a FlashTile's buffers, and of the scratch its visits share.
@@ -84,8 +77,7 @@ size_t flash_visit_scratch_size(int qt, int64_t E, int64_t Ev, int64_t key_block
 // floats): from a row that does not start on a line, as NumPy's large
 // arrays do not (malloc gives 16-byte alignment), each such load reaches into
 // two lines, and the lines of a block's values outgrow L1 next to its score
-// tile. One Zen 3 core, B1 H12 L1024 D64, values 16 bytes past a line: P.V
-// took about a fifth longer, the call 4-11% longer. A thread copies a head
+// tile: P.V slows down markedly (see docs/tuning.md). A thread copies a head
 // once for all its tiles: where a head has tiles enough (min_tiles_to_align),
 // its values are not streamed from memory (ask_ahead), and the copies fit
 // kAlignedValuesMaxBytes each and kAlignedValuesMaxCallBytes for all threads.
@@ -96,13 +88,8 @@ struct AlignedValues {
   int64_t b = -1, kv_head = -1; // whose values data holds
 };
 // The fewest query tiles per head for which the copy pays: 4 with 32-byte
-// vectors (on a Zen 3 core, B8 H12 L128 D64, four tiles a head, took 7-10%
-// less time with the copy), 5 with 64-byte ones. On a Xeon core with
-// AVX-512, the copy of a head of four tiles cost more than its aligned loads
-// saved: B8 H12 L128 D64 without it, in-process paired runs, 1.4-1.9% less
-// time on one thread and 4.2-4.6% on two; with six tiles (L192) the copy was
-// 2.9% ahead on one thread and 2.2% behind on two, with 32 (L1024) 1.5%
-// ahead on both.
+// vectors, 5 with 64-byte ones, whose aligned loads save less against the
+// copy's cost (see docs/tuning.md).
 template <typename T>
 int64_t min_tiles_to_align(int vector_width) {
   return vector_width * int64_t(sizeof(T)) >= 64 ? 5 : 4;

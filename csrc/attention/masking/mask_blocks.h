@@ -31,8 +31,8 @@ class MaskBlockMap {
   // Keys per block of the map. Finer than the tiles' key blocks (128 and
   // more), so that a tile's open keys end within 16 of its last open key: a
   // causal mask's diagonal block is cut there as is_causal cuts it, where a
-  // map of whole key blocks left up to 96 keys of it computed (a causal and
-  // padding (B, 1, L, S) mask, B4 H12 L512: 12% more time).
+  // map of whole key blocks left up to 96 keys of it computed (see
+  // docs/tuning.md).
   static constexpr int64_t kKeys = 16;
 
   // Classifies the blocks of query tiles of `query_tile` rows (from row 0 of
