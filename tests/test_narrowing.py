@@ -6,12 +6,10 @@ into a float16 array (NumPy's own conversion) or a bfloat16 one (ml_dtypes), for
 float64 sources: rounding to nearest even, overflow to inf, subnormals, signed zeros, and
 every NaN as NumPy gives it (see ``NAN_CASES``).
 
-float32 -> bfloat16 is checked on all 2^32 bit patterns. float32 -> float16 is checked on all
-the patterns whose exponent field is 113..142 (the normal halves, from 2^-14 to 65536) or 255
-(infinities and NaNs), and on every top half (sign, exponent, 7 significand bits) with a set
-of bottom halves that takes the round and sticky bits through their cases elsewhere: there
-NumPy raises the underflow or overflow flag value by value, at 100+ ns each, so that all
-2^32 take minutes (``ATTNX_TEST_NARROWING_ALL=1`` runs them all). float64 is checked on
+float32 is checked on every top half of a pattern (sign, exponent, the high significand bits)
+with a set of bottom halves that takes the round and sticky bits through their cases, and, with
+``ATTNX_TEST_NARROWING_ALL=1``, on all 2^32 bit patterns (minutes: NumPy raises the underflow
+or overflow flag value by value for half of them, at 100+ ns each). float64 is checked on
 random bit patterns, random values near each format's range, and every value of each format
 with the half-way points between them, each nudged by a few float64 ulps and by less than
 half a float32 ulp (which the double rounding of float64 -> bfloat16 through float32 turns
@@ -72,48 +70,52 @@ def float32_patterns(first, count):
 # float32
 # ---------------------------------------------------------------------------------------------
 
-# 16 slices of 2^28 patterns (sign, exponent's top 3 bits), so that shards share them out.
-@pytest.mark.parametrize("block", range(16))
-def test_float32_to_bfloat16_every_bit_pattern(block):
+EVERY_PATTERN = pytest.mark.skipif(
+    not os.environ.get("ATTNX_TEST_NARROWING_ALL"), reason="minutes; ATTNX_TEST_NARROWING_ALL=1")
+
+
+def every_top_half(bottom):
+    """float32 chunks of every top half (65,536) with each of the bottom halves given."""
+    top = np.arange(65536, dtype=np.uint32)
+    bits = (top[:, None] << 16 | np.asarray(bottom, np.uint32)).ravel()
+    for start in range(0, bits.size, CHUNK):
+        yield bits[start:start + CHUNK].view(np.float32)
+
+
+def test_float32_to_bfloat16_every_top_half():
+    # bfloat16 keeps the top half: the bottom half is the round bit (15) and the sticky bits
+    # below it, taken through zero, one, all, and the tie cases, plus random ones. A NaN's
+    # payload may lie in either half.
     pytest.importorskip("ml_dtypes")
-    for x in float32_patterns(block << 28, 1 << 28):
+    rng = np.random.default_rng(4)
+    bottom = [0x0000, 0x0001, 0x3FFF, 0x4000, 0x7FFF, 0x8000, 0x8001, 0xBFFF, 0xC000, 0xFFFF]
+    for x in every_top_half(bottom + list(rng.integers(0, 1 << 16, 16))):
         check(x, "bfloat16")
 
 
-@pytest.mark.parametrize("sign", [0, 1])
-@pytest.mark.parametrize(
-    "exponents", [range(113, 121), range(121, 129), range(129, 137), [*range(137, 143), 255]],
-    ids=["113-120", "121-128", "129-136", "137-142,255"])
-def test_float32_to_float16_every_bit_pattern_of_the_normal_and_nan_range(sign, exponents):
-    for e in exponents:
-        for x in float32_patterns((sign << 31) | (e << 23), 1 << 23):
-            check(x, "float16")
-
-
-@pytest.mark.skipif(not os.environ.get("ATTNX_TEST_NARROWING_ALL"),
-                    reason="minutes of NumPy's float16 conversion; ATTNX_TEST_NARROWING_ALL=1")
-def test_float32_to_float16_every_bit_pattern():
-    for x in float32_patterns(0, 1 << 32):
-        check(x, "float16")
-
-
 def test_float32_to_float16_every_top_half():
-    # Each of the 65,536 top halves whose exponent is outside the test above (zeros,
-    # subnormals and values below 2^-14; values from 65536 up), with bottom halves taking
-    # bits 12..15 (a normal half's last kept bits and its round bit; a subnormal's round bit
-    # lies at bit 13 or above) through all 16 values and the bits below (sticky) through
-    # zero, one, all, and the top or all but the top one, plus random ones.
-    top = np.arange(65536, dtype=np.uint32)
-    exponent = (top >> 7) & 0xFF
-    top = top[((exponent < 113) | (exponent > 142)) & (exponent != 255)]
+    # float16 keeps 10 significand bits: bits 13..15 of the bottom half are kept bits or the
+    # round bit (a subnormal's round bit lies at bit 13 or above), so bits 12..15 take all
+    # 16 values, and the bits below (sticky) zero, one, all, and the top or all but the top
+    # one, plus random ones.
     sticky = np.array([0x000, 0x001, 0x7FF, 0x800, 0xFFF], np.uint32)
     rng = np.random.default_rng(1)
     bottom = np.concatenate([
         (np.arange(16, dtype=np.uint32)[:, None] << 12 | sticky).ravel(),
         rng.integers(0, 1 << 16, 16).astype(np.uint32)])
-    bits = (top[:, None] << 16 | bottom).ravel()
-    for start in range(0, bits.size, CHUNK):
-        check(bits[start:start + CHUNK].view(np.float32), "float16")
+    for x in every_top_half(bottom):
+        check(x, "float16")
+
+
+# Slices of 2^28 patterns (sign, exponent's top 3 bits), so that shards share them out.
+@EVERY_PATTERN
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("block", range(16))
+def test_float32_every_bit_pattern(block, fmt):
+    if fmt == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    for x in float32_patterns(block << 28, 1 << 28):
+        check(x, fmt)
 
 
 # ---------------------------------------------------------------------------------------------

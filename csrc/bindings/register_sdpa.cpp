@@ -178,11 +178,27 @@ bool canonical_inputs(const py::array& q, const py::array& k, const py::array& v
          v.shape(0) == q.shape(0) && v.shape(1) == Hk && v.shape(2) == k.shape(2);
 }
 
+// The core on inputs canonical_inputs accepted: their views need no other check.
 template <typename T>
 py::object sdpa_canonical(const py::array& q, const py::array& k, const py::array& v,
                           const SdpaOptions& o) {
   py::array out = py::array_t<T>({q.shape(0), q.shape(1), q.shape(2), v.shape(3)});
-  run_sdpa_typed<T>(q, k, v, std::nullopt, o, out, {});
+  SdpaArgs<T> a;
+  a.query = const_view<T, 4>(q, "query");
+  a.key = StoredView<T>::of(const_view<T, 4>(k, "key"));
+  a.value = StoredView<T>::of(const_view<T, 4>(v, "value"));
+  const int64_t S = k.shape(2), L = q.shape(2), E = q.shape(3);
+  a.mask_cols = S;
+  a.range.causal = o.causal;
+  a.range.bottom_right = o.bottom_right;
+  a.range.window_left = window_extent(o.window_left, S + L);
+  a.range.window_right = window_extent(o.window_right, S + L);
+  a.scale = static_cast<T>(std::isnan(o.scale) ? 1.0 / std::sqrt(static_cast<double>(E)) : o.scale);
+  a.out = mutable_view<T, 4>(out, "out");
+  {
+    py::gil_scoped_release release;
+    sdpa_forward(a);
+  }
   return std::move(out);
 }
 

@@ -38,7 +38,7 @@ from ._arrays import (
 _NAN = float("nan")
 
 # The options of the common calls, made once: [is_causal][enable_gqa].
-_DEFAULT_SDPA_OPTIONS = tuple(
+DEFAULT_SDPA_OPTIONS = tuple(
     tuple(_core.SdpaOptions(causal, False, _NAN, -1, -1, gqa) for gqa in (False, True))
     for causal in (False, True)
 )
@@ -46,8 +46,6 @@ _DEFAULT_SDPA_OPTIONS = tuple(
 
 def sdpa_options(is_causal, scale, enable_gqa, window) -> "_core.SdpaOptions":
     """The checked scalar arguments of scaled_dot_product_attention."""
-    if scale is None and window is None and type(is_causal) is bool and type(enable_gqa) is bool:
-        return _DEFAULT_SDPA_OPTIONS[is_causal][enable_gqa]
     causal, bottom_right = causal_mode(is_causal)
     enable_gqa = as_bool_flag(enable_gqa, "enable_gqa")
     window_left, window_right = window_bounds(window)

@@ -16,7 +16,7 @@ import numpy as np
 # parameter's name up among the keywords, making and interning a string a parameter, and the
 # interpreter's table of interned strings then grows at unpredictable calls.
 from . import _core
-from ._canonical import mha_options, mha_step, mha_weights, sdpa_options
+from ._canonical import DEFAULT_SDPA_OPTIONS, mha_options, mha_step, mha_weights, sdpa_options
 from ._arrays import (
     as_bool_flag,
     as_lengths,
@@ -109,7 +109,10 @@ def scaled_dot_product_attention(
     >>> attnx.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", window=(3, 0)).shape
     (2, 4, 1, 16)
     """
-    options = sdpa_options(is_causal, scale, enable_gqa, window)
+    if scale is None and window is None and type(is_causal) is bool and type(enable_gqa) is bool:
+        options = DEFAULT_SDPA_OPTIONS[is_causal][enable_gqa]  # made once, at import
+    else:
+        options = sdpa_options(is_causal, scale, enable_gqa, window)
     return _core.sdpa(query, key, value, attn_mask, options, out)
 
 

@@ -445,14 +445,18 @@ class MultiheadAttention:
         A query row whose keys are all masked gives a zero attention row (so
         the output row equals ``out_proj_bias``), where torch gives NaN.
         """
+        weights = self.__dict__.get("_weights_cache")
+        if weights is None:  # not kept: half precision, or parameters the core cannot share
+            weights = self._weights()
+            if self.dtype.itemsize == 2:  # half precision: inputs rounded to it first
+                query, key, value = self._as_input(query), self._as_input(key), self._as_input(value)
         if type(need_weights) is bool and type(average_attn_weights) is bool and is_causal is False:
             options = _OPTIONS[self.batch_first][need_weights][average_attn_weights]
         else:
             options = mha_options(is_causal, need_weights, average_attn_weights, self.batch_first, attn_mask)
-        if self.dtype.itemsize == 2:  # half precision: inputs rounded to it first
-            query, key, value = self._as_input(query), self._as_input(key), self._as_input(value)
-        extras = None if key_padding_mask is None and attn_mask is None else (attn_mask, key_padding_mask, None, None)
-        return _core.mha(self._weights(), query, key, value, extras, options)
+        if key_padding_mask is None and attn_mask is None:
+            return _core.mha(weights, query, key, value, None, options)
+        return _core.mha(weights, query, key, value, (attn_mask, key_padding_mask, None, None), options)
 
     def _weights(self) -> "_core.MhaWeights":
         """The parameters, checked, as the core takes them.
