@@ -351,11 +351,14 @@ def _pyproject_list(section, key):
 
 
 def test_test_group_and_test_extra_list_the_same_tools():
-    # The README installs the test tools with `pip install --group test`; the wheel's users and
-    # .ci/ship get them from the `test` extra. The two must not drift apart.
+    # The README installs the test tools with `pip install -r requirements-test.txt` (any pip);
+    # the wheel's users and .ci/ship get them from the `test` extra, and tools that read
+    # dependency groups from the `test` group. The three must not drift apart.
     group = _pyproject_list("dependency-groups", "test")
     extra = _pyproject_list("project.optional-dependencies", "test")
-    assert group == extra and "pytest>=7" in group, (group, extra)
+    lines = (pathlib.Path(__file__).resolve().parents[1] / "requirements-test.txt").read_text("utf-8").splitlines()
+    requirements = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    assert group == extra == requirements and "pytest>=7" in group, (group, extra, requirements)
 
 
 def test_version_is_pyprojects():
