@@ -112,7 +112,7 @@ void attend(const MhaStepArgs<T>& a, const T* qkv, const int64_t* key_lengths,
     q_rows = qkv;
     out_rows = attn;
   } else {
-    converted = Buffer<A>(size_t(N * 4 * E));
+    converted = Buffer<A>(size_t(2 * N * E));  // the queries, then the output
     A* q = converted.data();
     for (int64_t r = 0; r < N; ++r)
       for (int64_t e = 0; e < E; ++e) q[r * E + e] = static_cast<A>(qkv[r * 3 * E + e]);

@@ -18,7 +18,20 @@ namespace attnx::bindings {
 
 namespace py = pybind11;
 
-std::string shape_string(const py::array& a);
+using OptArray = std::optional<py::array>;
+
+// "(2, 3)", "(7,)": a shape as Python writes it. Put together with
+// std::to_string, not iostreams: a build that links libstdc++ statically
+// (LDFLAGS=-static-libstdc++) next to the shared libstdc++ that other
+// extensions load crashed inside ostream's number formatting.
+inline std::string shape_string(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t d = 0; d < a.ndim(); ++d) s += (d ? ", " : "") + std::to_string(a.shape(d));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// Equal, not identical: an unpickled array has an equal but distinct dtype object.
+inline bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(dt); }
 
 // Checks rank, alignment and element-multiple strides of `a`, whose elements
 // are `item` bytes; with `contiguous_last`, also that its last dimension is

@@ -29,11 +29,6 @@
 namespace attnx::bindings {
 namespace {
 
-using OptArray = std::optional<py::array>;
-
-// Equal, not identical: an unpickled array has an equal but distinct dtype object.
-bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(dt); }
-
 // The flags of a call, checked by Python (attnx._canonical).
 struct MhaOptions {
   bool causal = false;
@@ -409,16 +404,6 @@ void linear_typed(const py::array& x, const py::array& w, const OptArray& b, py:
 }
 
 }  // namespace
-
-// Messages are put together with std::to_string, not iostreams: a build that
-// links libstdc++ statically (LDFLAGS=-static-libstdc++) next to the shared
-// libstdc++ that other extensions load crashed inside ostream's number
-// formatting, on the error path alone.
-std::string shape_string(const py::array& a) {
-  std::string s = "(";
-  for (py::ssize_t d = 0; d < a.ndim(); ++d) s += (d ? ", " : "") + std::to_string(a.shape(d));
-  return s + (a.ndim() == 1 ? ",)" : ")");
-}
 
 void register_mha_testing(py::module_& testing) {
   testing.def(

@@ -17,17 +17,44 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "attnx/attention.h"
 #include "bindings/array_views.h"
-#include "bindings/sdpa_call.h"
 
 namespace attnx::bindings {
 
 namespace {
+
+// The scalar arguments of an attention call, checked by Python
+// (attnx._canonical) before they are made: causal alignment, scale (NaN for
+// the default 1/sqrt(E)), window extents (< 0 unbounded) and grouped heads.
+struct SdpaOptions {
+  bool causal = false;
+  bool bottom_right = false;
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  bool enable_gqa = false;
+};
+
+// What some calls add: per-batch lengths for attention over a KV cache (keys
+// [0, key_lengths[b]) of each sequence, whose last query_lengths[b] rows are
+// its newest tokens), and a C-contiguous (B, H, L, S) array for the
+// attention probabilities.
+struct SdpaExtras {
+  OptArray key_lengths;
+  OptArray query_lengths;
+  OptArray weights;
+};
+
+void run_sdpa(const py::array& query, const py::array& key, const py::array& value,
+              const OptArray& attn_mask, const SdpaOptions& options, py::array& out,
+              const SdpaExtras& extras = {});
 
 // A mask broadcast to (lead..., H, L, S), any number of lead dims, as a
 // (B, H, L, S) view: one lead dim is a plain stride; several get a table of
@@ -103,6 +130,22 @@ const int64_t* lengths_data(const OptArray& a, const char* name, int64_t B, int6
 // A window extent: < 0 unbounded; extents past `limit` mean the same as it.
 int64_t window_extent(int64_t w, int64_t limit) { return w < 0 ? -1 : std::min(w, limit); }
 
+// The options' key range and scale on args whose query is set, over S keys:
+// the scale by default 1/sqrt(E) (1 for E = 0).
+template <typename T>
+void apply_options(const SdpaOptions& o, int64_t S, SdpaArgs<T>& a) {
+  const int64_t L = a.query.shape[2], E = a.query.shape[3];
+  const double scale =
+      std::isnan(o.scale) ? (E > 0 ? 1.0 / std::sqrt(static_cast<double>(E)) : 1.0) : o.scale;
+  if (!std::isfinite(scale)) throw py::value_error("scale must be finite");
+  a.mask_cols = S;
+  a.range.causal = o.causal;
+  a.range.bottom_right = o.bottom_right;
+  a.range.window_left = window_extent(o.window_left, S + L);
+  a.range.window_right = window_extent(o.window_right, S + L);
+  a.scale = static_cast<T>(scale);
+}
+
 template <typename T>
 void run_sdpa_typed(const py::array& query, const py::array& key, const py::array& value,
                     const OptArray& attn_mask, const SdpaOptions& o, py::array& out,
@@ -135,17 +178,9 @@ void run_sdpa_typed(const py::array& query, const py::array& key, const py::arra
     a.masks[0] = batched_mask_view<T>(*attn_mask, "attn_mask", mask_offsets);
     require_shape(a.masks[0], "attn_mask", {B, Hq, L, S});
   }
-  const double scale =
-      std::isnan(o.scale) ? (E > 0 ? 1.0 / std::sqrt(static_cast<double>(E)) : 1.0) : o.scale;
-  if (!std::isfinite(scale)) throw py::value_error("scale must be finite");
-  a.mask_cols = S;
-  a.range.causal = o.causal;
-  a.range.bottom_right = o.bottom_right;
-  a.range.window_left = window_extent(o.window_left, S + L);
-  a.range.window_right = window_extent(o.window_right, S + L);
+  apply_options(o, S, a);
   a.range.key_lengths = lengths_data(extras.key_lengths, "key_lengths", B, S);
   a.range.query_lengths = lengths_data(extras.query_lengths, "query_lengths", B, L);
-  a.scale = static_cast<T>(scale);
   a.out = mutable_view<T, 4>(out, "out");
   require_shape(a.out, "out", {B, Hq, L, Ev});
   OptArray weights = extras.weights;
@@ -153,9 +188,6 @@ void run_sdpa_typed(const py::array& query, const py::array& key, const py::arra
   py::gil_scoped_release release;
   sdpa_forward(a);
 }
-
-// Equal, not identical: an unpickled array has an equal but distinct dtype object.
-bool is_dtype(const py::array& a, const py::dtype& dt) { return a.dtype().equal(dt); }
 
 // Whether q, k and v are already what attnx._canonical.sdpa_call would hand
 // the core unchanged: 4-D ndarrays of dtype T, aligned, rows contiguous,
@@ -187,13 +219,7 @@ py::object sdpa_canonical(const py::array& q, const py::array& k, const py::arra
   a.query = const_view<T, 4>(q, "query");
   a.key = StoredView<T>::of(const_view<T, 4>(k, "key"));
   a.value = StoredView<T>::of(const_view<T, 4>(v, "value"));
-  const int64_t S = k.shape(2), L = q.shape(2), E = q.shape(3);
-  a.mask_cols = S;
-  a.range.causal = o.causal;
-  a.range.bottom_right = o.bottom_right;
-  a.range.window_left = window_extent(o.window_left, S + L);
-  a.range.window_right = window_extent(o.window_right, S + L);
-  a.scale = static_cast<T>(std::isnan(o.scale) ? 1.0 / std::sqrt(static_cast<double>(E)) : o.scale);
+  apply_options(o, k.shape(2), a);
   a.out = mutable_view<T, 4>(out, "out");
   {
     py::gil_scoped_release release;
@@ -239,8 +265,9 @@ py::object sdpa(const py::handle& query, const py::handle& key, const py::handle
   return result;
 }
 
-}  // namespace
-
+// Runs the core on canonical (B, H, L, E) arrays: checks that the views fit
+// each other (so that no call, however wrong, reads or writes out of bounds)
+// and releases the GIL around the arithmetic.
 void run_sdpa(const py::array& query, const py::array& key, const py::array& value,
               const OptArray& attn_mask, const SdpaOptions& options, py::array& out,
               const SdpaExtras& extras) {
@@ -251,6 +278,8 @@ void run_sdpa(const py::array& query, const py::array& key, const py::array& val
   else
     throw py::type_error("query: expected float32 or float64");
 }
+
+}  // namespace
 
 void register_sdpa_testing(py::module_& testing) {
   testing.def(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
+from .cache import KVCache
 from ._arrays import (
     additive_mask,
     as_bool_flag,
@@ -371,6 +372,13 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
 # ---------------------------------------------------------------------------------------------
 
 
+def check_cache(cache) -> KVCache:
+    """`cache` itself, an attnx.KVCache; TypeError for anything else."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be an attnx.KVCache, got {type(cache).__name__}")
+    return cache
+
+
 def _step_rows(x, cache, batch_first: bool) -> tuple:
     """(rows, result shape without E_out, tokens): the new tokens as (B * T, E) rows in the
     query's own order, (t, b) or (b, t), by torch's layout rules."""
@@ -398,10 +406,7 @@ def mha_step(weights, query, cache, lengths, batch_first: bool):
     The keys and values of the new tokens are appended and the cache's lengths grow only when
     the whole step succeeds: a failed step leaves the cache as it was.
     """
-    from .cache import KVCache
-
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be an attnx.KVCache, got {type(cache).__name__}")
+    check_cache(cache)
     dtype = np.dtype(np.float64 if weights.dtype == np.float64 else np.float32)
     rows, lead, T = _step_rows(as_float(query, dtype, "query"), cache, batch_first)
     E, H = rows.shape[1], weights.num_heads

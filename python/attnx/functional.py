@@ -16,7 +16,7 @@ import numpy as np
 # parameter's name up among the keywords, making and interning a string a parameter, and the
 # interpreter's table of interned strings then grows at unpredictable calls.
 from . import _core
-from ._canonical import DEFAULT_SDPA_OPTIONS, mha_options, mha_step, mha_weights, sdpa_options
+from ._canonical import DEFAULT_SDPA_OPTIONS, check_cache, mha_options, mha_step, mha_weights, sdpa_options
 from ._arrays import (
     as_bool_flag,
     as_lengths,
@@ -251,12 +251,6 @@ def _check_dropout(dropout_p, training: bool) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_cache(cache) -> KVCache:
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be an attnx.KVCache, got {type(cache).__name__}")
-    return cache
-
-
 def _cache_compute_dtype(cache: KVCache) -> np.dtype:
     """The cache decides the compute dtype (it is read in place, never converted)."""
     return np.dtype(np.float64) if cache.dtype == np.float64 else np.dtype(np.float32)
@@ -343,7 +337,7 @@ def cached_attention(query, cache, key=None, value=None, *, lengths=None, scale=
     >>> attnx.cached_attention(q[:, :, :1], cache, k, v).shape   # then one token at a time
     (1, 4, 1, 8)
     """
-    cache = _check_cache(cache)
+    cache = check_cache(cache)
     result_dtype, _ = result_and_compute_dtype(query)
     q = as_float(query, result_dtype, "query")
     B, Hkv, E = cache.batch, cache.num_kv_heads, cache.head_dim
@@ -452,7 +446,6 @@ def multi_head_attention_step(
     >>> mha.step(np.ones((2, 1, 16), np.float32), cache).shape
     (2, 1, 16)
     """
-    cache = _check_cache(cache)
     result_dtype, dtype = result_and_compute_dtype(query)
     num_heads = as_positive_int(num_heads, "num_heads")
     E = np.shape(query)[-1] if np.ndim(query) else 0
