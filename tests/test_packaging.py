@@ -369,6 +369,20 @@ def test_version_is_pyprojects():
     assert attnx.__version__ == version == attnx.show_config()["version"], (attnx.__version__, version)
 
 
+def test_metadata_names_the_project_urls_and_the_changelog_has_this_version():
+    # The installed distribution's metadata carries the URLs (what PyPI shows beside the
+    # package), and the changelog has a section for the version being built.
+    from importlib.metadata import metadata
+
+    urls = dict(entry.split(", ", 1) for entry in metadata("attnx").get_all("Project-URL") or [])
+    assert {"Homepage", "Documentation", "Source", "Issues", "Changelog"} <= set(urls), urls
+    assert all(url.startswith("https://") for url in urls.values()), urls
+    changelog = (pathlib.Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text("utf-8")
+    assert re.search(rf"^## \[{re.escape(attnx.__version__)}\] - \d{{4}}-\d{{2}}-\d{{2}}$", changelog, re.M), (
+        f"CHANGELOG.md has no section for {attnx.__version__}")
+    assert "## [Unreleased]" in changelog
+
+
 def test_isa_code_is_included_only_where_its_flags_apply():
     # The kernels of csrc/kernels/simd/ (the kernel parts and the vector types) are compiled
     # with one instruction set's flags: included from a driver or a binding, built for plain
