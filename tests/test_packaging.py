@@ -271,8 +271,11 @@ def test_numpy_docstring_sections(name, obj):
 
 def test_help_of_sdpa_is_useful():
     text = pydoc.render_doc(attnx.scaled_dot_product_attention, renderer=pydoc.plaintext)
-    # The signature with its defaults, then the documentation of each argument and the result.
-    assert "scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False" in text
+    # The signature with its annotations and defaults, then the documentation of each argument
+    # and the result. The annotations are strings (`from __future__ import annotations`).
+    assert "is_causal: \"bool | Literal['top_left', 'bottom_right']\" = False" in text
+    names = re.sub(r""": (?:'[^']*'|"[^"]*")( = )?""", lambda m: "=" if m.group(1) else "", text)
+    assert "scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False" in names
     for word in ("Parameters", "Returns", "attn_mask", "is_causal", "enable_gqa", "scale", "out"):
         assert word in text, word
 

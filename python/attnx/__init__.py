@@ -22,16 +22,16 @@ reference
 
 try:
     from . import _core
-except ImportError as exc:
+except ImportError as _error:
     # The core chooses its SIMD kernel as it loads (from CPUID and ATTNX_ISA), and fails to
     # load where ATTNX_ISA asks for a kernel it cannot run: its ValueError says why.
-    if isinstance(exc.__cause__, ValueError):
-        raise exc.__cause__ from None
+    if isinstance(_error.__cause__, ValueError):
+        raise _error.__cause__ from None
     raise ImportError(  # pragma: no cover - depends on the installation
         "attnx's compiled core (attnx._core) could not be imported. Did you build it? "
         "Install attnx with `pip install .` from a checkout (a C++17 compiler is needed), "
         "and do not run Python from inside the source tree's python/ folder."
-    ) from exc
+    ) from _error
 
 from ._runtime import get_num_threads, set_num_threads, show_config
 from .cache import KVCache
@@ -43,7 +43,10 @@ from .functional import (
 )
 from .modules import MultiheadAttention
 
-__version__ = _core.__version__
+# After NumPy (imported above), which imports typing itself: `import attnx` stays as short.
+from typing import TYPE_CHECKING  # noqa: E402
+
+__version__: str = _core.__version__
 
 __all__ = [
     "KVCache",
@@ -63,16 +66,23 @@ __all__ = [
 # `import attnx.reference` all work.
 _LAZY_SUBMODULES = ("reference",)
 
+if TYPE_CHECKING:
+    # Type checkers see the submodules as plain attributes (and no catch-all __getattr__,
+    # so that a misspelt name is an error).
+    from types import ModuleType
 
-def __getattr__(name: str):
-    if name in _LAZY_SUBMODULES:
-        import importlib
+    from . import reference
+else:
 
-        # Importing the submodule also binds it as an attribute of this package,
-        # so this runs once per name.
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str) -> "ModuleType":
+        if name in _LAZY_SUBMODULES:
+            import importlib
+
+            # Importing the submodule also binds it as an attribute of this package,
+            # so this runs once per name.
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -23,7 +24,7 @@ def mha_flops(batch: int, tokens: int, width: int) -> float:
     return float(projections + attention)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnx", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)

@@ -1,5 +1,7 @@
 """Type stubs of the private C++ extension. Use the attnx package instead."""
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -29,15 +31,15 @@ def sdpa(
     attn_mask: object,
     options: SdpaOptions,
     out: object,
-) -> npt.NDArray[np.floating]: ...
+) -> npt.NDArray[np.floating[Any]]: ...
 def cached_attention(
-    query: npt.NDArray[np.floating],
-    key: npt.NDArray[np.floating],
-    value: npt.NDArray[np.floating],
+    query: npt.NDArray[np.floating[Any]],
+    key: npt.NDArray[np.floating[Any]],
+    value: npt.NDArray[np.floating[Any]],
     key_lengths: npt.NDArray[np.int64],
     query_lengths: npt.NDArray[np.int64],
     options: SdpaOptions,
-    out: npt.NDArray[np.floating],
+    out: npt.NDArray[np.floating[Any]],
 ) -> None: ...
 class MhaOptions:
     def __init__(
@@ -58,14 +60,14 @@ class MhaWeights:
     def __init__(
         self,
         num_heads: int,
-        projections: tuple,
+        projections: tuple[Any, ...],
         in_biases: object,
-        out_projection: tuple,
+        out_projection: tuple[Any, ...],
         bias_kv: object,
         add_zero_attn: bool,
-        dtype: np.dtype,
+        dtype: np.dtype[Any],
     ) -> None: ...
-    dtype: np.dtype
+    dtype: np.dtype[Any]
     num_heads: int
     embed_dim: int
     out_dim: int
@@ -81,19 +83,19 @@ def mha(
     value: object,
     extras: object,
     options: object,
-) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating] | None]: ...
+) -> tuple[npt.NDArray[np.floating[Any]], npt.NDArray[np.floating[Any]] | None]: ...
 def mha_step(
     weights: MhaWeights,
-    rows: npt.NDArray[np.floating],
+    rows: npt.NDArray[np.floating[Any]],
     cache: object,
     lengths: npt.NDArray[np.int64] | None,
     options: object,
-) -> npt.NDArray[np.floating]: ...
+) -> npt.NDArray[np.floating[Any]]: ...
 def linear(
-    x: npt.NDArray[np.floating],
-    w: npt.NDArray[np.floating],
-    b: npt.NDArray[np.floating] | None,
-    out: npt.NDArray[np.floating],
+    x: npt.NDArray[np.floating[Any]],
+    w: npt.NDArray[np.floating[Any]],
+    b: npt.NDArray[np.floating[Any]] | None,
+    out: npt.NDArray[np.floating[Any]],
 ) -> None: ...
 def active_isa() -> str: ...
 def cpu_isa() -> str: ...
@@ -108,33 +110,33 @@ class _TestingModule:
     """The submodule attnx._core._testing: hooks for attnx's tests (attnx._testing)."""
     @staticmethod
     def run_mha(
-        weights: MhaWeights, call: tuple, options: object
-    ) -> tuple[npt.NDArray[np.floating], npt.NDArray[np.floating] | None]: ...
+        weights: MhaWeights, call: tuple[Any, ...], options: object
+    ) -> tuple[npt.NDArray[np.floating[Any]], npt.NDArray[np.floating[Any]] | None]: ...
     @staticmethod
     def fail_next_step(stage: str) -> None: ...
     @staticmethod
     def plan_sdpa(
-        call: dict, query_tile: int, vector_width: int, threads: int
-    ) -> dict: ...
+        call: dict[str, Any], query_tile: int, vector_width: int, threads: int
+    ) -> dict[str, Any]: ...
     @staticmethod
-    def sdpa_work(call: dict) -> float: ...
+    def sdpa_work(call: dict[str, Any]) -> float: ...
     @staticmethod
-    def kernel_facts(dtype: str) -> dict: ...
+    def kernel_facts(dtype: str) -> dict[str, Any]: ...
     @staticmethod
-    def planner_constants() -> dict: ...
+    def planner_constants() -> dict[str, Any]: ...
     @staticmethod
     def run_sdpa(
-        query: npt.NDArray[np.floating],
-        key: npt.NDArray[np.floating],
-        value: npt.NDArray[np.floating],
-        attn_mask: npt.NDArray[np.floating] | None,
+        query: npt.NDArray[np.floating[Any]],
+        key: npt.NDArray[np.floating[Any]],
+        value: npt.NDArray[np.floating[Any]],
+        attn_mask: npt.NDArray[np.floating[Any]] | None,
         options: SdpaOptions,
-        out: npt.NDArray[np.floating],
-        weights: npt.NDArray[np.floating] | None,
+        out: npt.NDArray[np.floating[Any]],
+        weights: npt.NDArray[np.floating[Any]] | None,
     ) -> None: ...
     @staticmethod
     def narrow_16bit(
-        src: npt.NDArray[np.floating], format: str
+        src: npt.NDArray[np.floating[Any]], format: str
     ) -> npt.NDArray[np.uint16]: ...
     @staticmethod
     def widen_16bit(

@@ -5,6 +5,9 @@ from __future__ import annotations
 from . import _core
 from ._arrays import as_positive_int
 
+# After NumPy (imported by _arrays), which imports typing itself: `import attnx` stays as short.
+from typing import TypedDict  # noqa: E402
+
 
 def set_num_threads(n: int) -> None:
     """Set the number of threads attnx's kernels use (process-wide).
@@ -37,7 +40,19 @@ def get_num_threads() -> int:
     return _core.get_num_threads()
 
 
-def show_config() -> dict:
+class Config(TypedDict):
+    """What :func:`show_config` returns."""
+
+    version: str
+    isa: str
+    cpu_isa: str
+    kernels: list[str]
+    threads: int
+    openmp: bool
+    compiler: str
+
+
+def show_config() -> Config:
     """How this attnx was built and what it runs with.
 
     Returns

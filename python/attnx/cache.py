@@ -11,17 +11,21 @@ never copied, and keys past a sequence's length are never read.
 from __future__ import annotations
 
 import operator
-
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, SupportsIndex
 
 import numpy as np
 
 from ._arrays import as_lengths, as_positive_int, is_floating, is_half, shape_str
 
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from ._typing import FloatArray, IntArray
+
 __all__ = ["KVCache"]
 
 
-def _storage_dtype(dtype) -> np.dtype:
+def _storage_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
     """float32, float64, float16 or bfloat16 (ml_dtypes, imported only when asked for by name)."""
     if isinstance(dtype, str) and dtype == "bfloat16":
         try:
@@ -40,7 +44,7 @@ def _storage_dtype(dtype) -> np.dtype:
     raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dt}")
 
 
-def _zeros_on_cache_line(shape, dtype) -> np.ndarray:
+def _zeros_on_cache_line(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray[Any, Any]:
     """Zeros whose first byte starts a 64-byte cache line (NumPy's own start 16 bytes past one
     for large arrays): with a head dim of whole lines, every key and value row does too, and the
     kernels' vector loads of a row stay within its lines."""
@@ -51,7 +55,7 @@ def _zeros_on_cache_line(shape, dtype) -> np.ndarray:
     return buffer[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
+def _read_only(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     view = a.view()
     view.flags.writeable = False
     return view
@@ -60,9 +64,9 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 class CacheStorage(NamedTuple):
     """The arrays of a :class:`KVCache` (see :meth:`KVCache.storage`)."""
 
-    key: np.ndarray
-    value: np.ndarray
-    lengths: np.ndarray
+    key: FloatArray
+    value: FloatArray
+    lengths: IntArray
 
 
 class KVCache:
@@ -124,7 +128,16 @@ class KVCache:
     (2, 8, 1, 16)
     """
 
-    def __init__(self, batch, num_kv_heads, max_len, head_dim, dtype=np.float32, *, value_dim=None):
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: npt.DTypeLike = np.float32,
+        *,
+        value_dim: int | None = None,
+    ) -> None:
         self._batch = as_positive_int(batch, "batch")
         self._num_kv_heads = as_positive_int(num_kv_heads, "num_kv_heads")
         self._max_len = as_positive_int(max_len, "max_len")
@@ -144,15 +157,15 @@ class KVCache:
     # ------------------------------------------------------------------------------------------
 
     @property
-    def key(self) -> np.ndarray:
+    def key(self) -> FloatArray:
         return _read_only(self._key)
 
     @property
-    def value(self) -> np.ndarray:
+    def value(self) -> FloatArray:
         return _read_only(self._value)
 
     @property
-    def lengths(self) -> np.ndarray:
+    def lengths(self) -> IntArray:
         return _read_only(self._lengths)
 
     @property
@@ -176,7 +189,7 @@ class KVCache:
         return self._value_dim
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> np.dtype[Any]:
         return self._dtype
 
     @property
@@ -187,7 +200,7 @@ class KVCache:
     # Updates
     # ------------------------------------------------------------------------------------------
 
-    def _check_new(self, x, name: str, width: int) -> np.ndarray:
+    def _check_new(self, x: npt.ArrayLike, name: str, width: int) -> np.ndarray[Any, Any]:
         a = np.asarray(x)
         if not is_floating(a.dtype):
             raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
@@ -199,7 +212,7 @@ class KVCache:
             )
         return a
 
-    def append(self, key, value, lengths=None) -> None:
+    def append(self, key: npt.ArrayLike, value: npt.ArrayLike, lengths: npt.ArrayLike | None = None) -> None:
         """Write the keys and values of new tokens after each sequence's current length.
 
         Parameters
@@ -249,7 +262,7 @@ class KVCache:
                     self._value[b, :, s : s + n] = v[b, :, :n]
         self._lengths += new
 
-    def check_room(self, new) -> None:
+    def check_room(self, new: IntArray) -> None:
         """Raise ValueError unless each sequence ``b`` has room for ``new[b]`` more tokens.
 
         Parameters
@@ -281,7 +294,7 @@ class KVCache:
         """
         return CacheStorage(self._key, self._value, self._lengths)
 
-    def reset(self, index=None) -> None:
+    def reset(self, index: SupportsIndex | None = None) -> None:
         """Empty every sequence, or the slot ``index`` only (for continuous batching).
 
         Parameters
@@ -315,7 +328,7 @@ class KVCache:
     # Pickling (only the positions in use travel) and repr
     # ------------------------------------------------------------------------------------------
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         used = int(self._lengths.max(initial=0))
         return {
             "shape": (self._batch, self._num_kv_heads, self._max_len, self._head_dim, self._value_dim),
@@ -325,7 +338,7 @@ class KVCache:
             "value": self._value[:, :, :used].copy(),
         }
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self._batch, self._num_kv_heads, self._max_len, self._head_dim, self._value_dim = state["shape"]
         self._dtype = np.dtype(state["dtype"])
         self._allocate()

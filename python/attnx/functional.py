@@ -9,6 +9,7 @@ core does all the arithmetic with the GIL released.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -31,6 +32,11 @@ from ._arrays import (
 )
 from .cache import KVCache
 
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from ._typing import FloatArray, IntArray
+
 __all__ = [
     "scaled_dot_product_attention",
     "multi_head_attention_forward",
@@ -40,17 +46,17 @@ __all__ = [
 
 
 def scaled_dot_product_attention(
-    query,
-    key,
-    value,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    attn_mask: npt.ArrayLike | None = None,
+    is_causal: bool | Literal["top_left", "bottom_right"] = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    window=None,
-    out=None,
-):
+    window: tuple[int | None, int | None] | None = None,
+    out: FloatArray | None = None,
+) -> FloatArray:
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     Computes ``softmax(query @ key^T * scale + mask) @ value`` without storing
@@ -117,34 +123,34 @@ def scaled_dot_product_attention(
 
 
 def multi_head_attention_forward(
-    query,
-    key,
-    value,
-    embed_dim_to_check,
-    num_heads,
-    in_proj_weight,
-    in_proj_bias,
-    bias_k,
-    bias_v,
-    add_zero_attn,
-    dropout_p,
-    out_proj_weight,
-    out_proj_bias,
-    training=True,
-    key_padding_mask=None,
-    need_weights=True,
-    attn_mask=None,
-    use_separate_proj_weight=False,
-    q_proj_weight=None,
-    k_proj_weight=None,
-    v_proj_weight=None,
-    static_k=None,
-    static_v=None,
-    average_attn_weights=True,
-    is_causal=False,
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: npt.ArrayLike | None,
+    in_proj_bias: npt.ArrayLike | None,
+    bias_k: npt.ArrayLike | None,
+    bias_v: npt.ArrayLike | None,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: npt.ArrayLike,
+    out_proj_bias: npt.ArrayLike | None,
+    training: bool = True,
+    key_padding_mask: npt.ArrayLike | None = None,
+    need_weights: bool = True,
+    attn_mask: npt.ArrayLike | None = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: npt.ArrayLike | None = None,
+    k_proj_weight: npt.ArrayLike | None = None,
+    v_proj_weight: npt.ArrayLike | None = None,
+    static_k: npt.ArrayLike | None = None,
+    static_v: npt.ArrayLike | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool | Literal["top_left", "bottom_right"] = False,
     *,
-    batch_first=False,
-):
+    batch_first: bool = False,
+) -> tuple[FloatArray, FloatArray | None]:
     """Multi-head attention forward, as ``torch.nn.functional.multi_head_attention_forward``.
 
     Same positional order and keyword names as torch's function.
@@ -232,7 +238,7 @@ def multi_head_attention_forward(
     return _core.mha(weights, query, key, value, None if all(x is None for x in extras) else extras, options)
 
 
-def _check_dropout(dropout_p, training: bool) -> None:
+def _check_dropout(dropout_p: Any, training: bool) -> None:
     """attnx computes inference: dropout only as 0.0, or when not training."""
     try:
         dropout_p = float(dropout_p)
@@ -251,12 +257,12 @@ def _check_dropout(dropout_p, training: bool) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _cache_compute_dtype(cache: KVCache) -> np.dtype:
+def _cache_compute_dtype(cache: KVCache) -> np.dtype[Any]:
     """The cache decides the compute dtype (it is read in place, never converted)."""
     return np.dtype(np.float64) if cache.dtype == np.float64 else np.dtype(np.float32)
 
 
-def _query_lengths(lengths, batch: int, T: int) -> np.ndarray:
+def _query_lengths(lengths: npt.ArrayLike | None, batch: int, T: int) -> IntArray:
     if lengths is None:
         return np.full(batch, T, np.int64)
     return as_lengths(lengths, batch, T, "lengths", f"T = {T}, the query's tokens per sequence")
@@ -280,7 +286,17 @@ def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, out) -
         out[...] = computed
 
 
-def cached_attention(query, cache, key=None, value=None, *, lengths=None, scale=None, window=None, out=None):
+def cached_attention(
+    query: npt.ArrayLike,
+    cache: KVCache,
+    key: npt.ArrayLike | None = None,
+    value: npt.ArrayLike | None = None,
+    *,
+    lengths: npt.ArrayLike | None = None,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    out: FloatArray | None = None,
+) -> FloatArray:
     """Attention of the newest tokens of each sequence over a :class:`KVCache`.
 
     The ``T`` query tokens are the newest tokens of each sequence: with
@@ -379,21 +395,21 @@ def cached_attention(query, cache, key=None, value=None, *, lengths=None, scale=
 
 
 def multi_head_attention_step(
-    query,
-    cache,
-    num_heads,
-    in_proj_weight,
-    in_proj_bias,
-    out_proj_weight,
-    out_proj_bias,
+    query: npt.ArrayLike,
+    cache: KVCache,
+    num_heads: int,
+    in_proj_weight: npt.ArrayLike | None,
+    in_proj_bias: npt.ArrayLike | None,
+    out_proj_weight: npt.ArrayLike,
+    out_proj_bias: npt.ArrayLike | None,
     *,
-    lengths=None,
-    batch_first=False,
-    use_separate_proj_weight=False,
-    q_proj_weight=None,
-    k_proj_weight=None,
-    v_proj_weight=None,
-):
+    lengths: npt.ArrayLike | None = None,
+    batch_first: bool = False,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: npt.ArrayLike | None = None,
+    k_proj_weight: npt.ArrayLike | None = None,
+    v_proj_weight: npt.ArrayLike | None = None,
+) -> FloatArray:
     """One decoding step of causal self-attention over a :class:`KVCache`.
 
     Projects the new tokens to queries, keys and values, appends the keys and

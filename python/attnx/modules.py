@@ -13,7 +13,7 @@ outputs are those of the torch module in ``eval()`` mode.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple
 
 import numpy as np
 
@@ -22,6 +22,11 @@ from . import _core
 from ._arrays import as_bool_flag, as_positive_int, check_heads, is_floating, shape_str
 from .cache import KVCache, _storage_dtype
 from ._canonical import mha_options, mha_step, mha_weights
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from ._typing import FloatArray
 
 __all__ = ["MultiheadAttention"]
 
@@ -37,11 +42,11 @@ _OPTIONS = tuple(
 class LoadStateDictResult(NamedTuple):
     """What :meth:`MultiheadAttention.load_state_dict` did not load (as torch's ``_IncompatibleKeys``)."""
 
-    missing_keys: list
-    unexpected_keys: list
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
-def _module_dtype(dtype) -> np.dtype:
+def _module_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
     """The module's parameter dtype: float32, float64, float16 or bfloat16 (ml_dtypes)."""
     try:
         return _storage_dtype(dtype)
@@ -49,7 +54,7 @@ def _module_dtype(dtype) -> np.dtype:
         raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype!r}") from None
 
 
-def _to_numpy(value, key: str) -> np.ndarray:
+def _to_numpy(value: Any, key: str) -> np.ndarray[Any, Any]:
     """A state_dict entry as a NumPy array, without importing torch.
 
     Accepts NumPy arrays, torch tensors (anything with ``detach().cpu().numpy()``,
@@ -141,19 +146,39 @@ class MultiheadAttention:
     ((2, 5, 16), (2, 5, 5))
     """
 
+    embed_dim: int
+    num_heads: int
+    head_dim: int
+    kdim: int
+    vdim: int
+    bias: bool
+    add_bias_kv: bool
+    add_zero_attn: bool
+    batch_first: bool
+    dtype: np.dtype[Any]
+    in_proj_weight: FloatArray | None
+    q_proj_weight: FloatArray | None
+    k_proj_weight: FloatArray | None
+    v_proj_weight: FloatArray | None
+    in_proj_bias: FloatArray | None
+    out_proj_weight: FloatArray
+    out_proj_bias: FloatArray | None
+    bias_k: FloatArray | None
+    bias_v: FloatArray | None
+
     def __init__(
         self,
-        embed_dim,
-        num_heads,
-        bias=True,
-        add_bias_kv=False,
-        add_zero_attn=False,
-        kdim=None,
-        vdim=None,
-        batch_first=False,
-        dtype=np.float32,
-        seed=None,
-    ):
+        embed_dim: int,
+        num_heads: int,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        dtype: npt.DTypeLike = np.float32,
+        seed: int | np.random.Generator | None = None,
+    ) -> None:
         embed_dim = as_positive_int(embed_dim, "embed_dim")
         num_heads = as_positive_int(num_heads, "num_heads")
         self.head_dim = check_heads(embed_dim, num_heads)
@@ -177,7 +202,7 @@ class MultiheadAttention:
         """Draw every parameter from torch's initial distribution (see the class Notes)."""
         E = self.embed_dim
 
-        def xavier_uniform(shape):
+        def xavier_uniform(shape: tuple[int, int]) -> FloatArray:
             fan_out, fan_in = shape
             bound = math.sqrt(6.0 / (fan_in + fan_out))
             return rng.uniform(-bound, bound, size=shape).astype(self.dtype)
@@ -216,7 +241,7 @@ class MultiheadAttention:
         "out_proj.bias": "out_proj_bias",
     }
 
-    def _expected_shapes(self) -> dict:
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """torch's state_dict keys for this configuration, in torch's order, with their shapes."""
         E = self.embed_dim
         shapes = {}
@@ -236,7 +261,7 @@ class MultiheadAttention:
             shapes["out_proj.bias"] = (E,)
         return shapes
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, FloatArray]:
         """The parameters under ``torch.nn.MultiheadAttention``'s state_dict keys.
 
         Returns
@@ -255,14 +280,14 @@ class MultiheadAttention:
         >>> list(attnx.MultiheadAttention(8, 2, bias=False).state_dict())
         ['in_proj_weight', 'out_proj.weight']
         """
-        state = {}
+        state: dict[str, FloatArray] = {}
         for key in self._expected_shapes():
             value = getattr(self, self._KEY_TO_ATTR[key])
             if value is not None:  # torch leaves absent parameters out, too
                 state[key] = np.array(value, copy=True)
         return state
 
-    def load_state_dict(self, state_dict, strict=True) -> LoadStateDictResult:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> LoadStateDictResult:
         """Copy parameters from a state_dict with torch's keys (a torch module's included).
 
         Parameters
@@ -336,7 +361,7 @@ class MultiheadAttention:
         return LoadStateDictResult(missing, unexpected)
 
     @classmethod
-    def from_torch(cls, module) -> "MultiheadAttention":
+    def from_torch(cls, module: Any) -> MultiheadAttention:
         """An attnx module with the configuration and weights of a ``torch.nn.MultiheadAttention``.
 
         Parameters
@@ -392,7 +417,7 @@ class MultiheadAttention:
     # Forward
     # ------------------------------------------------------------------------------------------
 
-    def _as_input(self, x):
+    def _as_input(self, x: npt.ArrayLike) -> np.ndarray[Any, Any]:
         """A floating input in the module's dtype; anything else goes on to the functional checks."""
         a = np.asarray(x)
         if is_floating(a.dtype) and a.dtype != self.dtype:
@@ -401,15 +426,15 @@ class MultiheadAttention:
 
     def forward(
         self,
-        query,
-        key,
-        value,
-        key_padding_mask=None,
-        need_weights=True,
-        attn_mask=None,
-        average_attn_weights=True,
-        is_causal=False,
-    ):
+        query: npt.ArrayLike,
+        key: npt.ArrayLike,
+        value: npt.ArrayLike,
+        key_padding_mask: npt.ArrayLike | None = None,
+        need_weights: bool = True,
+        attn_mask: npt.ArrayLike | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool | Literal["top_left", "bottom_right"] = False,
+    ) -> tuple[FloatArray, FloatArray | None]:
         """Attend from ``query`` to ``key``/``value``, as ``torch.nn.MultiheadAttention.forward``.
 
         Parameters
@@ -458,7 +483,7 @@ class MultiheadAttention:
             return _core.mha(weights, query, key, value, None, options)
         return _core.mha(weights, query, key, value, (attn_mask, key_padding_mask, None, None), options)
 
-    def _weights(self) -> "_core.MhaWeights":
+    def _weights(self) -> _core.MhaWeights:
         """The parameters, checked, as the core takes them.
 
         Kept until an attribute of the module is assigned (``__setattr__`` drops them) where
@@ -481,11 +506,11 @@ class MultiheadAttention:
             self.__dict__["_weights_cache"] = weights
         return weights
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         self.__dict__.pop("_weights_cache", None)
         object.__setattr__(self, name, value)
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_weights_cache", None)  # views of the parameters: not the copy's memory
         return state
@@ -496,7 +521,7 @@ class MultiheadAttention:
     # Decoding
     # ------------------------------------------------------------------------------------------
 
-    def new_cache(self, batch, max_len, dtype=None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, dtype: npt.DTypeLike | None = None) -> KVCache:
         """An empty :class:`KVCache` for :meth:`step` with this module.
 
         Parameters
@@ -521,7 +546,7 @@ class MultiheadAttention:
         """
         return KVCache(batch, self.num_heads, max_len, self.head_dim, self.dtype if dtype is None else dtype)
 
-    def step(self, query, cache, lengths=None):
+    def step(self, query: npt.ArrayLike, cache: KVCache, lengths: npt.ArrayLike | None = None) -> FloatArray:
         """One decoding step of causal self-attention: project, append to ``cache``, attend.
 
         Appends the keys and values of the new tokens to ``cache`` and attends

@@ -25,9 +25,17 @@ The semantics are PyTorch's (``torch.nn.functional.scaled_dot_product_attention`
 Only NumPy is imported.
 """
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from ._typing import FloatArray
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention_forward", "cached_attention"]
 
@@ -179,9 +187,16 @@ def _attention_core(q, k, v, bias, scale):
 
 
 def scaled_dot_product_attention(
-    query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
-    window=None
-):
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    attn_mask: npt.ArrayLike | None = None,
+    is_causal: bool | Literal["top_left", "bottom_right"] = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window: tuple[int | None, int | None] | None = None,
+) -> FloatArray:
     """Reference scaled dot-product attention, as torch's ``scaled_dot_product_attention``.
 
     Parameters
@@ -301,34 +316,34 @@ def _linear(x, weight, bias):
 
 
 def multi_head_attention_forward(
-    query,
-    key,
-    value,
-    embed_dim_to_check,
-    num_heads,
-    in_proj_weight,
-    in_proj_bias,
-    bias_k,
-    bias_v,
-    add_zero_attn,
-    dropout_p,
-    out_proj_weight,
-    out_proj_bias,
-    training=True,
-    key_padding_mask=None,
-    need_weights=True,
-    attn_mask=None,
-    use_separate_proj_weight=False,
-    q_proj_weight=None,
-    k_proj_weight=None,
-    v_proj_weight=None,
-    static_k=None,
-    static_v=None,
-    average_attn_weights=True,
-    is_causal=False,
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: npt.ArrayLike | None,
+    in_proj_bias: npt.ArrayLike | None,
+    bias_k: npt.ArrayLike | None,
+    bias_v: npt.ArrayLike | None,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: npt.ArrayLike,
+    out_proj_bias: npt.ArrayLike | None,
+    training: bool = True,
+    key_padding_mask: npt.ArrayLike | None = None,
+    need_weights: bool = True,
+    attn_mask: npt.ArrayLike | None = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: npt.ArrayLike | None = None,
+    k_proj_weight: npt.ArrayLike | None = None,
+    v_proj_weight: npt.ArrayLike | None = None,
+    static_k: npt.ArrayLike | None = None,
+    static_v: npt.ArrayLike | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool | Literal["top_left", "bottom_right"] = False,
     *,
-    batch_first=False,
-):
+    batch_first: bool = False,
+) -> tuple[FloatArray, FloatArray | None]:
     """Reference multi-head attention, as torch's ``multi_head_attention_forward``.
 
     Parameters
@@ -581,7 +596,15 @@ def multi_head_attention_forward(
 # ---------------------------------------------------------------------------------------------
 
 
-def cached_attention(query, key, value, key_lengths, query_lengths=None, scale=None, window=None):
+def cached_attention(
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    key_lengths: npt.ArrayLike,
+    query_lengths: npt.ArrayLike | None = None,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+) -> FloatArray:
     """Reference attention of each sequence's newest tokens over its cached keys.
 
     Sequence ``b`` holds ``key_lengths[b]`` keys and values (the first positions of ``key``

@@ -1,0 +1,21 @@
+"""Type aliases of attnx's annotations.
+
+Only type checkers import this module (under ``typing.TYPE_CHECKING``): with
+``from __future__ import annotations`` the annotations are never evaluated, so
+``import attnx`` neither pays for it nor needs a NumPy whose scalar types are
+subscriptable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+#: A floating-point array: results are in the query's (or the module's) dtype,
+#: float32, float64, float16 or bfloat16.
+FloatArray = npt.NDArray[np.floating[Any]]
+
+#: The int64 lengths of a KVCache.
+IntArray = npt.NDArray[np.int64]

@@ -1,0 +1,112 @@
+"""A typed program that uses attnx's public API: `mypy --strict` must accept it.
+
+tests/test_typing.py type-checks it (and runs it, so that it stays a working program).
+It calls the API as its documentation does, so that the annotations admit what the
+documentation promises: ``is_causal="bottom_right"``, ``dtype=np.float16``, and so on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+import attnx
+from attnx import reference
+
+
+def attend() -> npt.NDArray[np.floating[Any]]:
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 1, 16), dtype=np.float32)
+    k = v = rng.standard_normal((2, 4, 8, 16), dtype=np.float32)
+    out = attnx.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", window=(3, None))
+    top_left = attnx.scaled_dot_product_attention(q, k, v, is_causal="top_left", scale=0.25)
+    causal = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, out=np.empty_like(out))
+    masked = attnx.scaled_dot_product_attention([[1.0, 0.0]], [[1.0, 0.0]], [[2.0, 3.0]], attn_mask=[[True]])
+    assert out.shape == top_left.shape == causal.shape and masked.shape == (1, 2)
+    expected = reference.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", window=(3, None))
+    assert np.allclose(out, expected, atol=1e-5)
+    return out
+
+
+def module() -> None:
+    mha = attnx.MultiheadAttention(16, 4, batch_first=True, dtype=np.float16, seed=0)
+    x = np.ones((2, 5, 16), np.float16)
+    out, weights = mha(x, x, x, is_causal="bottom_right")
+    assert weights is not None and weights.shape == (2, 5, 5)
+    out2, none = mha.forward(x, x, x, need_weights=False)
+    assert none is None and out2.dtype == np.float16 == mha.dtype
+    state = mha.state_dict()
+    result = attnx.MultiheadAttention(16, 4, dtype="float64").load_state_dict(state, strict=False)
+    missing: List[str] = result.missing_keys
+    assert missing == [] and result.unexpected_keys == []
+    weight: Optional[npt.NDArray[np.floating[Any]]] = mha.in_proj_weight
+    assert weight is not None and mha.out_proj_weight.shape == (16, 16)
+    assert out.shape == (2, 5, 16)
+
+    cache = mha.new_cache(batch=2, max_len=32)
+    first = mha.step(x, cache)
+    second = mha.step(np.ones((2, 1, 16), np.float32), cache, lengths=[1, 0])
+    assert first.shape == (2, 5, 16) and second.shape == (2, 1, 16)
+    assert cache.lengths.tolist() == [6, 5]
+
+
+def decode() -> None:
+    cache = attnx.KVCache(2, 2, 64, 8, dtype=np.float16, value_dim=8)
+    k = v = np.ones((2, 2, 3, 8), np.float32)
+    cache.append(k, v, lengths=[3, 1])
+    q = np.ones((2, 4, 1, 8), np.float32)
+    out = attnx.cached_attention(q, cache)
+    new = attnx.cached_attention(q, cache, k[:, :, :1], v[:, :, :1], lengths=np.array([1, 1]), scale=0.5)
+    key, value, lengths = cache.storage()
+    n: int = cache.batch + cache.num_kv_heads + cache.max_len + cache.head_dim + cache.value_dim + cache.nbytes
+    assert out.shape == new.shape == (2, 4, 1, 8) and key.shape == value.shape and n > 0
+    assert lengths.tolist() == [4, 2] and cache.dtype == np.float16
+    cache.reset(0)
+    cache.reset()
+
+    mha = attnx.MultiheadAttention(8, 2, seed=0)
+    step_cache = mha.new_cache(1, 8)
+    w = mha.in_proj_weight
+    assert w is not None
+    step = attnx.multi_head_attention_step(
+        np.ones((1, 1, 8), np.float32), step_cache, 2, w, mha.in_proj_bias,
+        mha.out_proj_weight, mha.out_proj_bias, lengths=[1],
+    )
+    full, weights = attnx.multi_head_attention_forward(
+        np.ones((1, 1, 8), np.float32), np.ones((1, 1, 8), np.float32), np.ones((1, 1, 8), np.float32),
+        8, 2, w, mha.in_proj_bias, None, None, False, 0.0, mha.out_proj_weight, mha.out_proj_bias,
+        training=False, is_causal="bottom_right",
+    )
+    assert weights is not None and step.shape == full.shape == (1, 1, 8)
+    expected, _ = reference.multi_head_attention_forward(
+        np.ones((1, 1, 8)), np.ones((1, 1, 8)), np.ones((1, 1, 8)),
+        8, 2, w, mha.in_proj_bias, None, None, False, 0.0, mha.out_proj_weight, mha.out_proj_bias,
+        need_weights=False,
+    )
+    assert np.allclose(full, expected, atol=1e-5)
+    lengths_ref = reference.cached_attention(q, key, value, [4, 2], query_lengths=[1, 1], window=(2, 0))
+    assert lengths_ref.shape == (2, 4, 1, 8)
+
+
+def runtime() -> None:
+    threads: int = attnx.get_num_threads()
+    attnx.set_num_threads(1)
+    config = attnx.show_config()
+    version: str = config["version"]
+    kernels: List[str] = config["kernels"]
+    openmp: bool = config["openmp"]
+    assert config["threads"] == 1 and version == attnx.__version__ and kernels and openmp in (True, False)
+    attnx.set_num_threads(threads)
+
+
+def main() -> None:
+    attend()
+    module()
+    decode()
+    runtime()
+
+
+if __name__ == "__main__":
+    main()
