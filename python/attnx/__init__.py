@@ -18,6 +18,18 @@ set_num_threads, get_num_threads, show_config
     Threads, the SIMD kernel in use, and how this attnx was built.
 reference
     The plain-NumPy oracle the tests check against (imported on first use).
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = rng.standard_normal((3, 2, 8, 10, 64), dtype=np.float32)  # (batch, heads, L, E)
+>>> out = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+>>> out.shape, out.dtype
+((2, 8, 10, 64), dtype('float32'))
+>>> expected = attnx.reference.scaled_dot_product_attention(q.astype(np.float64), k, v, is_causal=True)
+>>> bool(np.allclose(out, expected, atol=1e-5))
+True
 """
 
 try:

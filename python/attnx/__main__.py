@@ -140,6 +140,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     -------
     int
         0 when the error against the reference is within tolerance, else 1.
+
+    Examples
+    --------
+    >>> from attnx.__main__ import main
+    >>> main(["--batch", "2", "--tokens", "16", "--width", "32", "--heads", "4", "--json"])
+    {
+      "version": "...",
+      "operation": "MultiheadAttention, self-attention, key_padding_mask",
+      "dtype": "float32",
+      "batch": 2,
+      "tokens": 16,
+      "width": 32,
+      "heads": 4,
+      "repeat": 10,
+      ...
+      "error_ok": true,
+      ...
+    }
+    0
     """
     parser = _parser()
     args = parser.parse_args(argv)

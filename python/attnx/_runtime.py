@@ -20,6 +20,15 @@ def set_num_threads(n: int) -> None:
         ``threadpoolctl.threadpool_limits``. Once called, ``n`` applies to
         every thread of the process. In a build without OpenMP the count is
         kept (and reported) but the kernels run on one thread.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> before = attnx.get_num_threads()
+    >>> attnx.set_num_threads(2)
+    >>> attnx.get_num_threads(), attnx.show_config()["threads"]
+    (2, 2)
+    >>> attnx.set_num_threads(before)       # the earlier count again
     """
     _core.set_num_threads(as_positive_int(n, "n"))
 
@@ -36,6 +45,12 @@ def get_num_threads() -> int:
         ``threadpoolctl.threadpool_limits`` in force); 1 in a build without
         OpenMP. Small calls run on one thread whatever this says, and so does
         every call in a build without OpenMP (``show_config()["openmp"]``).
+
+    Examples
+    --------
+    >>> import attnx
+    >>> attnx.get_num_threads() == attnx.show_config()["threads"] >= 1
+    True
     """
     return _core.get_num_threads()
 
@@ -62,6 +77,15 @@ def show_config() -> Config:
         the CPU supports), ``kernels`` (the kernels this build has, lowest
         first: ``["scalar", "avx2", "avx512"]`` on x86-64, ``["scalar"]``
         elsewhere), ``threads``, ``openmp`` (bool) and ``compiler``.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> config = attnx.show_config()
+    >>> sorted(config)
+    ['compiler', 'cpu_isa', 'isa', 'kernels', 'openmp', 'threads', 'version']
+    >>> config["version"] == attnx.__version__, config["kernels"][0], config["isa"] in config["kernels"]
+    (True, 'scalar', True)
     """
     return {
         "version": _core.__version__,

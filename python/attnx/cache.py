@@ -234,6 +234,17 @@ class KVCache:
             when an error is raised.
         TypeError
             Non-floating keys or values, or non-integer lengths.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> cache = attnx.KVCache(2, 1, 8, 4)
+        >>> cache.append(np.ones((2, 1, 3, 4)), np.ones((2, 1, 3, 4)), lengths=[3, 2])
+        >>> cache.append(np.full((2, 1, 1, 4), 2.0), np.full((2, 1, 1, 4), 2.0))
+        >>> cache.lengths
+        array([4, 3])
+        >>> cache.key[1, 0, :4, 0]      # sequence 1: its 2 valid tokens, then the new one
+        array([1., 1., 2., 0.], dtype=float32)
         """
         k = self._check_new(key, "key", self._head_dim)
         v = self._check_new(value, "value", self._value_dim)
@@ -269,6 +280,16 @@ class KVCache:
         ----------
         new : ndarray of int64, shape (batch,)
             Tokens about to be appended to each sequence.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> cache = attnx.KVCache(2, 1, 4, 8)
+        >>> cache.check_room(np.array([4, 1]))
+        >>> cache.check_room(np.array([5, 0]))
+        Traceback (most recent call last):
+            ...
+        ValueError: appending lengths [5, 0] to a cache of max_len 4 with lengths [0, 0] overflows sequence(s) [0]; ...
         """
         total = self._lengths + new
         if total.max(initial=0) > self._max_len:
@@ -291,6 +312,18 @@ class KVCache:
             length appends; setting the lengths back to earlier values undoes appends.
             The :attr:`key`, :attr:`value` and :attr:`lengths` properties are read-only
             views of the same arrays.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> cache = attnx.KVCache(1, 2, 16, 8)
+        >>> key, value, lengths = cache.storage()
+        >>> key[0, :, :3] = 1.0; value[0, :, :3] = 1.0   # write 3 tokens in place ...
+        >>> lengths[0] = 3                                 # ... and take them in
+        >>> cache
+        KVCache(batch=1, num_kv_heads=2, max_len=16, head_dim=8, dtype=float32, lengths=[3])
+        >>> key.flags.writeable, cache.key.flags.writeable
+        (True, False)
         """
         return CacheStorage(self._key, self._value, self._lengths)
 
@@ -310,6 +343,18 @@ class KVCache:
             ``index`` outside ``[-batch, batch)``.
         TypeError
             ``index`` that is not an integer.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> cache = attnx.KVCache(3, 1, 8, 4)
+        >>> cache.append(np.ones((3, 1, 2, 4)), np.ones((3, 1, 2, 4)))
+        >>> cache.reset(-1)             # the last sequence is done: its slot is free again
+        >>> cache.lengths
+        array([2, 2, 0])
+        >>> cache.reset()
+        >>> cache.lengths
+        array([0, 0, 0])
         """
         if index is None:
             self._lengths[:] = 0

@@ -114,6 +114,15 @@ def scaled_dot_product_attention(
     >>> q = np.ones((2, 4, 1, 16), np.float32)     # the newest of 8 positions
     >>> attnx.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", window=(3, 0)).shape
     (2, 4, 1, 16)
+
+    Equal scores average the values a query attends (causal: the keys up to its own):
+
+    >>> q = k = np.zeros((1, 3, 2), np.float32)
+    >>> v = np.arange(6, dtype=np.float32).reshape(1, 3, 2)
+    >>> attnx.scaled_dot_product_attention(q, k, v, is_causal=True).round(6)
+    array([[[0., 1.],
+            [1., 2.],
+            [2., 3.]]], dtype=float32)
     """
     if scale is None and window is None and type(is_causal) is bool and type(enable_gqa) is bool:
         options = DEFAULT_SDPA_OPTIONS[is_causal][enable_gqa]  # made once, at import
@@ -218,6 +227,21 @@ def multi_head_attention_forward(
     -----
     A query row whose keys are all masked gives a zero attention row (the
     output row equals ``out_proj_bias``) and zero weights, where torch gives NaN.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> mha = attnx.MultiheadAttention(16, 4, seed=0)
+    >>> x = np.random.default_rng(0).standard_normal((5, 2, 16)).astype(np.float32)  # (L, N, E)
+    >>> out, weights = attnx.multi_head_attention_forward(
+    ...     x, x, x, 16, 4, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
+    ...     mha.out_proj_weight, mha.out_proj_bias, training=False, is_causal=True)
+    >>> out.shape, weights.shape
+    ((5, 2, 16), (2, 5, 5))
+    >>> weights[0, 0].round(6)       # causal: the first query attends the first key only
+    array([1., 0., 0., 0., 0.], dtype=float32)
+    >>> bool(np.allclose(out, mha(x, x, x, is_causal=True)[0]))     # what the module computes
+    True
     """
     result_dtype, dtype = result_and_compute_dtype(query)
     training = as_bool_flag(training, "training")

@@ -382,8 +382,17 @@ class MultiheadAttention:
 
         Examples
         --------
-        >>> import torch, attnx  # doctest: +SKIP
-        >>> mha = attnx.MultiheadAttention.from_torch(torch.nn.MultiheadAttention(16, 4))  # doctest: +SKIP
+        >>> import numpy as np, torch, attnx
+        >>> module = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+        >>> mha = attnx.MultiheadAttention.from_torch(module)
+        >>> mha
+        MultiheadAttention(embed_dim=16, num_heads=4, batch_first=True, dtype=float32)
+        >>> x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+        >>> with torch.no_grad():
+        ...     expected, _ = module(*[torch.from_numpy(x)] * 3)
+        >>> out, _ = mha(x, x, x)
+        >>> bool(np.allclose(out, expected.numpy(), atol=1e-5))
+        True
         """
         names = ("embed_dim", "num_heads", "kdim", "vdim", "batch_first", "add_zero_attn", "in_proj_bias", "bias_k", "out_proj")
         lacking = [n for n in names if not hasattr(module, n)]
@@ -469,6 +478,21 @@ class MultiheadAttention:
         -----
         A query row whose keys are all masked gives a zero attention row (so
         the output row equals ``out_proj_bias``), where torch gives NaN.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> mha = attnx.MultiheadAttention(8, 2, batch_first=True, seed=0)
+        >>> x = np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32)
+        >>> padding = np.array([[False, False, False, False], [False, False, True, True]])
+        >>> out, weights = mha(x, x, x, key_padding_mask=padding, average_attn_weights=False)
+        >>> out.shape, weights.shape
+        ((2, 4, 8), (2, 2, 4, 4))
+        >>> bool((weights[1, :, :, 2:] == 0).all())      # padded keys get no weight
+        True
+        >>> out, none = mha(x, x, x, need_weights=False, is_causal=True)
+        >>> out.shape, none
+        ((2, 4, 8), None)
         """
         weights = self.__dict__.get("_weights_cache")
         if weights is None:  # not kept: half precision, or parameters the core cannot share

@@ -235,6 +235,32 @@ def scaled_dot_product_attention(
     ValueError
         Mismatched shapes, ``is_causal`` together with ``attn_mask``, a non-finite
         ``scale``, or a bad grouped-query head count.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import reference
+    >>> q = k = np.zeros((3, 2))                   # equal scores: the mean of the values
+    >>> v = np.arange(6.0).reshape(3, 2)
+    >>> reference.scaled_dot_product_attention(q, k, v, is_causal=True)
+    array([[0., 1.],
+           [1., 2.],
+           [2., 3.]])
+    >>> mask = np.array([[True, False, True]] * 3)
+    >>> reference.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    array([[2., 3.],
+           [2., 3.],
+           [2., 3.]])
+
+    It is the oracle of :func:`attnx.scaled_dot_product_attention`:
+
+    >>> import attnx
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4, 8, 16))
+    >>> expected = reference.scaled_dot_product_attention(q, k, v, is_causal="bottom_right")
+    >>> expected.shape, expected.dtype
+    ((2, 4, 8, 16), dtype('float64'))
+    >>> bool(np.allclose(attnx.scaled_dot_product_attention(q, k, v, is_causal="bottom_right"), expected))
+    True
     """
     dtype = _compute_dtype(query)
     q = _as_float(query, dtype, "query")
@@ -414,6 +440,31 @@ def multi_head_attention_forward(
         Integer, bool or complex inputs; masks that are neither bool nor float.
     ValueError
         Shapes that do not fit together.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> from attnx import reference
+    >>> mha = attnx.MultiheadAttention(16, 4, dtype=np.float64, seed=0)
+    >>> x = np.random.default_rng(0).standard_normal((5, 2, 16))       # (L, N, E)
+    >>> padding = np.array([[False] * 5, [False, False, False, True, True]])
+    >>> out, weights = reference.multi_head_attention_forward(
+    ...     x, x, x, 16, 4, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
+    ...     mha.out_proj_weight, mha.out_proj_bias, key_padding_mask=padding)
+    >>> out.shape, weights.shape
+    ((5, 2, 16), (2, 5, 5))
+    >>> weights.sum(axis=-1).round(12)   # each query's weights sum to 1 ...
+    array([[1., 1., 1., 1., 1.],
+           [1., 1., 1., 1., 1.]])
+    >>> weights[1, :, 3:]                # ... and the padded keys of sequence 1 get none
+    array([[0., 0.],
+           [0., 0.],
+           [0., 0.],
+           [0., 0.],
+           [0., 0.]])
+    >>> fast, _ = mha(x, x, x, key_padding_mask=padding)
+    >>> bool(np.allclose(fast, out))
+    True
     """
     if dropout_p > 0.0 and training:
         raise NotImplementedError("dropout is not supported: use dropout_p=0.0 or training=False")
@@ -640,6 +691,23 @@ def cached_attention(
     ------
     ValueError
         Shapes that do not fit, or lengths out of range.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import reference
+    >>> rng = np.random.default_rng(0)
+    >>> key, value = rng.standard_normal((2, 2, 1, 6, 4))      # 2 sequences, room for 6 tokens
+    >>> query = rng.standard_normal((2, 1, 2, 4))              # their 2 newest tokens
+    >>> out = reference.cached_attention(query, key, value, key_lengths=[5, 3], query_lengths=[2, 1])
+    >>> out.shape
+    (2, 1, 2, 4)
+    >>> out[1, 0, 1]                     # sequence 1 has 1 new token: the second row is zeros
+    array([0., 0., 0., 0.])
+    >>> full = reference.scaled_dot_product_attention(query[:1], key[:1, :, :5], value[:1, :, :5],
+    ...                                                is_causal="bottom_right")
+    >>> bool(np.allclose(out[:1], full))     # sequence 0: its 2 newest of 5 tokens
+    True
     """
     dtype = _compute_dtype(query)
     q = _as_float(query, dtype, "query")
