@@ -133,3 +133,13 @@ def test_readme_lists_the_deviations_from_torch():
     for phrase in ("all masked gives a **zero**", "is_causal=True", "dropout_p", "batch_first=",
                    "float16 and bfloat16", "bottom_right", "subnormal"):
         assert phrase in section, phrase
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/api.md"])
+def test_every_public_name_is_documented(page):
+    text = (ROOT / page).read_text("utf-8")
+    missing = [name for name in attnx.__all__ if f"{name}" not in text]
+    assert not missing, f"{page} does not mention {missing}"
+    for method in ("step", "new_cache", "from_torch", "load_state_dict", "state_dict",
+                   "append", "reset", "lengths"):
+        assert f"{method}(" in text or f"`{method}`" in text, f"{page}: {method}"
