@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """Benchmark attnx against NumPy, PyTorch, ONNX Runtime and OpenVINO on the CPU.
 
-Usage (from a checkout, with the compiled core in python/attnx/)::
+Usage (from a checkout, after ``pip install .``; the installed attnx is the one timed)::
 
-    PYTHONPATH=python python benchmarks/compare.py --quick
-    PYTHONPATH=python python benchmarks/compare.py --threads 1 2 --json results.json
+    python benchmarks/compare.py --quick                # smoke run, nothing saved
+    python benchmarks/compare.py                        # full run, saved under benchmarks/results/
+    python benchmarks/compare.py --sweep                # time against sequence length, same file
+    python benchmarks/compare.py --threads 2 --shapes l1024 --out run.json
+
+Results go to ``benchmarks/results/DATE-MACHINE-COMMIT.json`` (see results_file.py): the
+``compare`` section for the shapes, ``sweep`` for ``--sweep``. ``--out`` names another file.
 
 Method
 ------
@@ -81,6 +86,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_file  # noqa: E402  (benchmarks/results_file.py)
+from progress import Progress  # noqa: E402  (benchmarks/progress.py)
 
 WORKER_FLAG = "--worker"
 
@@ -187,6 +196,14 @@ EXTRA_SHAPES = (
     # read from memory.
     Shape("decode-l16-s4096", "sdpa", B=1, H=32, L=16, S=4096, D=128, memory_bound=True),
 )
+
+
+SWEEP_LENGTHS = (128, 256, 512, 1024, 2048)
+
+
+def sweep_shapes(lengths) -> list[Shape]:
+    """The --sweep cases: sdpa B1 H12 D64 with L == S, one per length."""
+    return [Shape(f"sweep-l{n}", "sdpa", B=1, H=12, L=n, S=n, D=64) for n in lengths]
 
 
 def select_shapes(selectors: list[str] | None) -> list[Shape]:
@@ -621,7 +638,8 @@ def run_block(run: Callable[[], Any], k: int, pause_s: float) -> list[float]:
     return time_calls(run, k)
 
 
-def measure_interleaved(benches: dict[str, Bench], rounds: int, block_seconds: float, pause_s: float) -> dict:
+def measure_interleaved(benches: dict[str, Bench], rounds: int, block_seconds: float, pause_s: float,
+                        progress: Progress | None = None) -> dict:
     """Rounds of blocks, one block per library per round, rotating the order each round."""
     names = list(benches)
     calls = {}
@@ -637,6 +655,8 @@ def measure_interleaved(benches: dict[str, Bench], rounds: int, block_seconds: f
                 times = run_block(benches[name].run, calls[name], pause_s)
                 samples[name].extend(times)
                 block_medians[name].append(statistics.median(times))
+            if progress is not None:
+                progress.update()
     return {name: summarize(samples[name], block_medians[name], calls[name]) for name in names}
 
 
@@ -729,7 +749,7 @@ def check_output(got: np.ndarray, ref: np.ndarray) -> dict:
     return {"max_abs_diff": diff, "ok": bool(diff <= tol)}  # NaN compares False -> not ok
 
 
-def bench_shape(shape: Shape, libs: list[str], threads: int, opts) -> dict:
+def bench_shape(shape: Shape, libs: list[str], threads: int, opts, progress: Progress | None = None) -> dict:
     """Set up every library for `shape`, check outputs, time them interleaved."""
     data = make_inputs(shape)
     reference = reference_output(shape, data)
@@ -749,7 +769,7 @@ def bench_shape(shape: Shape, libs: list[str], threads: int, opts) -> dict:
                 raise
         if status[name]["status"] == "ok" and not status[name]["ok"]:
             log(f"  WARNING: {name} output differs from the reference by {status[name]['max_abs_diff']}")
-    timings = measure_interleaved(benches, opts.rounds, opts.block_seconds, opts.pause_ms / 1e3)
+    timings = measure_interleaved(benches, opts.rounds, opts.block_seconds, opts.pause_ms / 1e3, progress)
     for name, t in timings.items():
         status[name].update(t)
         status[name]["gflops"] = shape.flops / (t["median_ms"] / 1e3) / 1e9
@@ -829,7 +849,7 @@ def run_worker(threads: int, opts) -> dict:
     cores = os.cpu_count() or 1
     libs = [name for name in LIBRARIES if name in opts.libs]
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    shapes = select_shapes(opts.shapes)
+    shapes = sweep_shapes(opts.sweep_lengths) if opts.sweep else select_shapes(opts.shapes)
     load = BackgroundLoad()
     log(f"[threads={threads}] measuring machine peaks ...")
     gemm_n, reps = (1536, 3) if opts.quick else (2048, 5)
@@ -843,11 +863,13 @@ def run_worker(threads: int, opts) -> dict:
         },
     }
     results = []
-    for shape in shapes:
-        log(f"[threads={threads}] {shape.label} ...")
-        result = bench_shape(shape, libs, threads, opts)
-        add_comparisons(result, peaks)
-        results.append(result)
+    with Progress(len(shapes) * opts.rounds, f"threads={threads}", unit="round",
+                  enabled=not opts.no_progress) as progress:
+        for shape in shapes:
+            progress.write(f"[threads={threads}] {shape.label} ...")
+            result = bench_shape(shape, libs, threads, opts, progress)
+            add_comparisons(result, peaks)
+            results.append(result)
     if affinity is not None and sorted(os.sched_getaffinity(0)) != affinity:
         log(f"WARNING: a library changed this process's CPU affinity to {sorted(os.sched_getaffinity(0))}")
     return {"threads": threads, "peaks": peaks, "results": results, "background_cpu_fraction": load.fraction()}
@@ -858,15 +880,7 @@ def run_worker(threads: int, opts) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+cpu_model = results_file.cpu_model
 
 
 def worker_argv(threads: int, out_path: str, opts) -> list[str]:
@@ -879,6 +893,10 @@ def worker_argv(threads: int, out_path: str, opts) -> list[str]:
         argv += ["--shapes", *opts.shapes]
     if opts.quick:
         argv.append("--quick")
+    if opts.sweep:
+        argv += ["--sweep", "--sweep-lengths", *map(str, opts.sweep_lengths)]
+    if opts.no_progress:
+        argv.append("--no-progress")
     return argv
 
 
@@ -1025,7 +1043,16 @@ def parse_args(argv=None):
     p.add_argument("--peak-gflops", type=float, default=None,
                    help="FP32 FMA peak of all cores, scaled by threads/cores (default: measured on each thread "
                         "count with attnx's register-only multiply-add probe)")
-    p.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    p.add_argument("--out", "--json", dest="out", metavar="PATH",
+                   help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
+                        "saved only when this is given)")
+    p.add_argument("--section", help="key of the results file to write (default: compare, or sweep with --sweep)")
+    p.add_argument("--no-save", action="store_true", help="print the report only")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--sweep", action="store_true",
+                   help="time against sequence length: sdpa B1 H12 D64, L = S over --sweep-lengths")
+    p.add_argument("--sweep-lengths", type=int, nargs="+", default=list(SWEEP_LENGTHS), metavar="L",
+                   help=f"lengths for --sweep (default {' '.join(map(str, SWEEP_LENGTHS))})")
     p.add_argument("--quick", action="store_true", help="a fast smoke run (fewer rounds, shorter blocks)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="before each thread count, wait up to SECONDS for other processes to leave the CPUs idle")
@@ -1050,19 +1077,22 @@ def main(argv=None) -> int:
         with open(opts.worker_out, "w") as f:
             json.dump(result, f)
         return 0
+    if opts.sweep and opts.quick and opts.sweep_lengths == list(SWEEP_LENGTHS):
+        opts.sweep_lengths = [64, 128]
     report = {
         "machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "versions": library_versions(),
         "config": {"rounds": opts.rounds, "block_seconds": opts.block_seconds, "pause_ms": opts.pause_ms,
-                   "peak_gflops_all_cores": opts.peak_gflops, "quick": opts.quick, "threads": opts.threads},
+                   "peak_gflops_all_cores": opts.peak_gflops, "quick": opts.quick, "threads": opts.threads,
+                   "sweep_lengths": opts.sweep_lengths if opts.sweep else None},
         "runs": [run_thread_count(n, opts) for n in opts.threads],
     }
     print_report(report)
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"\nwrote {opts.json}")
+    if not opts.no_save and (opts.out or not opts.quick):
+        section = opts.section or ("sweep" if opts.sweep else "compare")
+        path = results_file.write_section(section, report, opts.out)
+        print(f"\nwrote the {section!r} section of {path}")
     return 0 if all("error" not in run for run in report["runs"]) else 1
 
 

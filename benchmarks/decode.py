@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Decode-step benchmark: one new query token against a KV cache, attnx against torch and ONNX Runtime.
 
-Usage (from a checkout, with the compiled core in python/attnx/)::
+Usage (from a checkout, after ``pip install .``; the installed attnx is the one timed)::
 
-    PYTHONPATH=python python benchmarks/decode.py --quick
-    PYTHONPATH=python python benchmarks/decode.py --json benchmarks/results/decode.json
-    PYTHONPATH=python python benchmarks/decode.py --kv-heads 32 --lengths 2048 32768 --dtypes float16
+    python benchmarks/decode.py --quick                 # smoke run, nothing saved
+    python benchmarks/decode.py                         # full run, saved under benchmarks/results/
+    python benchmarks/decode.py --kv-heads 32 --lengths 2048 32768 --dtypes float16 --out run.json
+
+A full run goes into the ``decode`` section of ``benchmarks/results/DATE-MACHINE-COMMIT.json``
+(the file compare.py writes on the same machine and build; see results_file.py); ``--out``
+names another file.
 
 Case
 ----
@@ -83,6 +87,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare  # noqa: E402  (timing, thread and bandwidth helpers; imports NumPy)
 from compare import Bench, NotInstalled, import_optional, log  # noqa: E402
+import results_file  # noqa: E402
+from progress import Progress  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -387,7 +393,8 @@ def step_flops(length: int) -> int:
     return 4 * Q_HEADS * length * HEAD_DIM
 
 
-def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int, opts) -> dict:
+def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int, opts,
+              progress: Progress | None = None) -> dict:
     reference = reference_decode(data["q"], data["k"], data["v"], length)
     status: dict[str, dict] = {}
     benches: dict[str, Bench] = {}
@@ -417,7 +424,10 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
                     f"max_len={length} cache give different results")
         except Exception as exc:
             status["attnx"]["same_as_exact_capacity_cache"] = f"{type(exc).__name__}: {exc}"
-    timings = compare.measure_interleaved(benches, opts.rounds, opts.block_seconds, opts.pause_ms / 1e3) if benches else {}
+    timings = (compare.measure_interleaved(benches, opts.rounds, opts.block_seconds, opts.pause_ms / 1e3, progress)
+               if benches else {})
+    if not benches and progress is not None:
+        progress.update(opts.rounds)
     nbytes = kv_bytes(length, data["k"].shape[1], dtype)
     for name, t in timings.items():
         status[name].update(t)
@@ -470,18 +480,21 @@ def run_worker(threads: int, opts) -> dict:
     peaks = {"read_bandwidth": compare.measure_read_bandwidth(threads, 512, 2 if opts.quick else 5),
              "working_set_bandwidth": {}}
     rows = []
+    progress = Progress(len(opts.dtypes) * len(opts.lengths) * opts.rounds, f"threads={threads}", unit="round",
+                        enabled=not opts.no_progress)
     for dtype in opts.dtypes:
         data = make_cache_data(kv_heads, opts.max_len, dtype, opts.seed)
         for length in opts.lengths:
-            log(f"[threads={threads}] {dtype} cache length {length} ...")
+            progress.write(f"[threads={threads}] {dtype} cache length {length} ...")
             nbytes = kv_bytes(length, kv_heads, dtype)
             if str(nbytes) not in peaks["working_set_bandwidth"]:  # measured next to the row it serves
                 peaks["working_set_bandwidth"][str(nbytes)] = same_size_bandwidth(nbytes, threads, opts)
-            row = bench_row(data, dtype, length, libs, threads, opts)
+            row = bench_row(data, dtype, length, libs, threads, opts, progress)
             add_comparisons(row, peaks, caches)
             rows.append(row)
         del data
         gc.collect()
+    progress.close()
     return {"threads": threads, "peaks": peaks, "caches": caches, "rows": rows,
             "background_cpu_fraction": load.fraction()}
 
@@ -496,7 +509,7 @@ def worker_argv(out_path: str, opts) -> list[str]:
             "--lengths", *map(str, opts.lengths), "--dtypes", *opts.dtypes, "--kv-heads", str(opts.kv_heads),
             "--libs", *opts.libs, "--rounds", str(opts.rounds), "--block-seconds", str(opts.block_seconds),
             "--pause-ms", str(opts.pause_ms), "--ort-op", opts.ort_op, "--seed", str(opts.seed)]
-    return argv + (["--quick"] if opts.quick else [])
+    return argv + (["--quick"] if opts.quick else []) + (["--no-progress"] if opts.no_progress else [])
 
 
 def fmt_us(entry: dict) -> str:
@@ -635,7 +648,12 @@ def parse_args(argv=None):
     p.add_argument("--block-seconds", type=float, help="target length of one block (default 0.2, --quick 0.02)")
     p.add_argument("--pause-ms", type=float, default=30.0, help="sleep before each block (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random keys, values and query")
-    p.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    p.add_argument("--out", "--json", dest="out", metavar="PATH",
+                   help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
+                        "saved only when this is given)")
+    p.add_argument("--section", default="decode", help="key of the results file to write (default decode)")
+    p.add_argument("--no-save", action="store_true", help="print the report only")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 short rounds, lengths 128 and 2048")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="first wait up to SECONDS for other processes to leave the CPUs idle")
@@ -695,11 +713,9 @@ def main(argv=None) -> int:
         "run": run,
     }
     print_report(report)
-    if opts.json:
-        os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"\nwrote {opts.json}")
+    if not opts.no_save and (opts.out or not opts.quick):
+        path = results_file.write_section(opts.section, report, opts.out)
+        print(f"\nwrote the {opts.section!r} section of {path}")
     return 0 if "error" not in run else 1
 
 
