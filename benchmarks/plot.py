@@ -22,6 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARIES = ("attnx", "numpy", "torch", "onnxruntime", "openvino")
+SHORT = {"numpy": "NumPy", "torch": "torch", "onnxruntime": "ORT", "openvino": "OV"}
 COLORS = {"attnx": "#d62728", "numpy": "#7f7f7f", "torch": "#1f77b4", "onnxruntime": "#2ca02c",
           "openvino": "#9467bd"}
 
@@ -30,7 +31,7 @@ def short_label(shape: dict) -> str:
     """A compact two-line label for the x axis."""
     if shape["kind"] == "mha":
         return f"MHA B{shape['B']}\nL{shape['L']} E{shape['E']}"
-    tag = "causal " if shape.get("causal") else ("decode " if shape["L"] == 1 else "")
+    tag = "causal " if shape.get("causal") else ("decode " if shape["L"] * 16 <= shape["S"] else "")
     if shape.get("mask_given"):
         tag = "mask "
     return f"{tag}B{shape['B']} H{shape['H']}\nL{shape['L']} S{shape['S']} D{shape['D']}"
@@ -66,13 +67,14 @@ def plot_speedup(data: dict, path: str, dpi: int) -> str:
         bars = ax.bar(xs, ys, width * 0.95, label=f"{run['threads']} thread{'s' if run['threads'] > 1 else ''}",
                       color=("#f4a582", "#ca0020", "#92c5de", "#0571b0")[i % 4])
         for bar, y, peer in zip(bars, ys, peers):
-            ax.annotate(f"{y:.2f}\n{peer}", (bar.get_x() + bar.get_width() / 2, y), ha="center", va="bottom",
+            ax.annotate(f"{y:.2f}\n{SHORT.get(peer, peer)}", (bar.get_x() + bar.get_width() / 2, y), ha="center", va="bottom",
                         fontsize=6.5, xytext=(0, 1), textcoords="offset points")
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(names)), [short_label(s) for s in shapes], fontsize=7.5)
     ax.set_ylabel("speed-up over the best peer (x)")
     ax.set_ylim(0, top * 1.2)
-    ax.set_title("attnx vs the fastest peer (> 1: attnx faster)\n" + title_of(data), fontsize=9)
+    ax.set_title("attnx's speed-up over the fastest peer (> 1: attnx faster; ORT = ONNX Runtime, OV = OpenVINO)\n"
+                 + title_of(data), fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
         print(f"{opts.results}: no 'compare' or 'sweep' section to plot", file=sys.stderr)
         return 1
     for path in written:
-        print(f"wrote {os.path.relpath(path)}")
+        print(f"wrote {path}")
     return 0
 
 
