@@ -1,0 +1,136 @@
+"""benchmarks/: every command benchmarks/README.md shows starts as written, and the results files
+follow their naming scheme.
+
+The commands run with ``--help`` appended (argparse checks the options before it, then exits),
+so the whole file takes a few seconds; the peers are never imported by ``--help``. plot.py and
+report.py run for real on a results file made here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+README = BENCH / "README.md"
+RESULTS = BENCH / "results"
+
+pytestmark = pytest.mark.skipif(not README.exists(), reason="benchmarks/ is not in this tree")
+
+
+def readme_commands() -> list[str]:
+    """The `python benchmarks/...` lines of the README's bash blocks, continuation lines joined."""
+    if not README.exists():
+        return []
+    commands = []
+    for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", README.read_text("utf-8"), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["python"] and len(words) > 1 and words[1].startswith("benchmarks/"):
+                commands.append(shlex.join(words))
+    return commands
+
+
+def run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_readme_shows_commands():
+    scripts = {shlex.split(c)[1] for c in readme_commands()}
+    assert {"benchmarks/compare.py", "benchmarks/decode.py", "benchmarks/plot.py",
+            "benchmarks/report.py"} <= scripts, scripts
+    assert "PYTHONPATH=" not in README.read_text("utf-8")  # the installed attnx is the one timed
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_starts(command):
+    words = shlex.split(command)
+    proc = run([*words[1:], "--help"])
+    assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "usage:" in proc.stdout
+
+
+def test_results_files_are_named_by_date_machine_commit():
+    files = sorted(RESULTS.glob("*.json"))
+    assert 1 <= len(files) <= 6, files
+    for path in files:
+        data = json.loads(path.read_text("utf-8"))
+        name = f"{data['date']}-{data['machine']['label']}-{data['commit']}.json"
+        assert path.name == name, (path.name, name)
+        assert re.fullmatch(r"[0-9a-f]{7,12}|unknown", data["commit"]), data["commit"]
+        assert {"compare", "decode", "sweep"} & set(data), sorted(data)
+        assert data["build"] and data["machine"]["cpu_model"] and data["machine"]["cores"] >= 1
+        if "compare" in data:
+            threads = {str(r["threads"]) for r in data["compare"]["runs"]}
+            assert set(data["peaks"]) == threads, (path.name, sorted(data["peaks"]), threads)
+
+
+def test_default_path_and_commit(tmp_path, monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import results_file
+    finally:
+        sys.path.remove(str(BENCH))
+    assert results_file.git_commit(str(tmp_path)) == "unknown"  # not a checkout
+    machine = {"label": "some-cpu-avx2-2core"}
+    monkeypatch.setattr(results_file, "RESULTS_DIR", str(tmp_path))
+    path = pathlib.Path(results_file.default_path(machine, "abc1234"))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d-some-cpu-avx2-2core-abc1234\.json", path.name), path.name
+    written = results_file.write_section("decode", {"run": {}}, None, commit="abc1234", machine=machine)
+    assert written == str(path)
+    # A later run of the same machine and build adds its section to the same file.
+    assert results_file.default_path(machine, "abc1234") == written
+    results_file.write_section("sweep", {"runs": []}, None, commit="abc1234", machine=machine)
+    data = json.loads(path.read_text())
+    assert data["commit"] == "abc1234" and {"decode", "sweep"} <= set(data)
+    assert results_file.slug("Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz") == "intel-xeon-gold-6338"
+
+
+def _tiny_results(tmp_path) -> pathlib.Path:
+    """A results file with one compare run and one sweep run of made-up times."""
+    def result(name, kind, L, times):
+        return {"shape": {"name": name, "label": name, "kind": kind, "B": 1, "H": 4, "L": L, "S": L, "D": 16,
+                          "E": 64, "causal": False, "mask_given": False},
+                "memory_bound": False, "best_peer": "numpy", "speedup": times["numpy"] / times["attnx"],
+                "attnx_gflops": 1.0, "attnx_fraction_of_peak": 0.01, "attnx_fraction_of_fma_peak": 0.01,
+                "speedup_per_round": 1.0,
+                "libs": {n: {"status": "ok", "ok": True, "median_ms": t} for n, t in times.items()}}
+    peaks = {"fma": {"gflops": 100.0, "by": "test"}, "gemm": {"gflops": 90.0, "by": "numpy", "n": 8},
+             "read_bandwidth": {"gbs": 10.0, "by": "numpy max", "mib": 1}, "working_set_bandwidth": {}}
+    runs = [{"threads": t, "peaks": peaks, "background_cpu_fraction": 0.0,
+             "results": [result("tiny", "sdpa", 16, {"attnx": 1.0, "numpy": 2.0}),
+                         result("mha-e64", "mha", 16, {"attnx": 1.0, "numpy": 3.0})]} for t in (1, 2)]
+    sweep = [{"threads": t, "peaks": peaks, "results": [result(f"sweep-l{n}", "sdpa", n, {"attnx": n / 100, "numpy": n / 50})
+                                                        for n in (64, 128)]} for t in (1, 2)]
+    versions = {"attnx": "0", "numpy": "0"}
+    data = {"date": "2000-01-01", "commit": "unknown", "build": "test", "machine": {"label": "test-cpu", "cpu_model": "test",
+            "isa": "scalar", "cores": 2, "kernel": "0"},
+            "compare": {"versions": versions, "runs": runs}, "sweep": {"versions": versions, "runs": sweep}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = run(["benchmarks/plot.py", str(_tiny_results(tmp_path)), "--out-dir", str(tmp_path / "plots")])
+    assert proc.returncode == 0, proc.stderr
+    for name in ("speedup-test-cpu.png", "sweep-test-cpu.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_prints_tables(tmp_path):
+    proc = run(["benchmarks/report.py", str(_tiny_results(tmp_path))])
+    assert proc.returncode == 0, proc.stderr
+    assert "| sdpa" not in proc.stdout or "tiny" in proc.stdout
+    assert proc.stdout.count("| tiny |") == 2 and "| 128 |" in proc.stdout
