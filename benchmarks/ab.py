@@ -53,6 +53,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare  # noqa: E402  (shapes, inputs, attnx set-up and timing; sets the thread variables, imports NumPy)
 from compare import log  # noqa: E402
+from progress import Progress  # noqa: E402  (benchmarks/progress.py; tqdm when installed)
 
 WORKER_FLAG = compare.WORKER_FLAG
 BUILDS = ("before", "after")
@@ -332,7 +333,8 @@ def run(opts) -> dict:
         per_block = sum(c["calls_per_block"] for c in cases)
         log(f"{len(cases)} cases x {opts.rounds} rounds x 2 builds, {per_block} calls per round and build ...")
 
-        # Interleaved rounds.
+        # Interleaved rounds, with a progress bar and the time left.
+        progress = Progress(opts.rounds, "A/B", unit="round")
         for r in range(opts.rounds):
             order = BUILDS if r % 2 == 0 else BUILDS[::-1]
             t0 = time.perf_counter()
@@ -344,7 +346,9 @@ def run(opts) -> dict:
                     block[f"{b}_ms"] = reply["median_ms"]
                     block[f"{b}_min_ms"] = reply["min_ms"]
                 case["blocks"].append(block)
-            log(f"round {r + 1}/{opts.rounds} ({'/'.join(order)}): {time.perf_counter() - t0:.1f} s")
+            progress.write(f"round {r + 1}/{opts.rounds} ({'/'.join(order)}): {time.perf_counter() - t0:.1f} s")
+            progress.update()
+        progress.close()
 
         cpu_workers = sum(w.request("cpu")["cpu_s"] for w in workers.values())
     finally:
