@@ -14,6 +14,13 @@ import os
 import tracemalloc
 import warnings
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers side by side: a thread of attnx's OpenMP pool that waits at a barrier sleeps
+    # instead of spinning on a core that another worker computes on. (Read by the OpenMP
+    # runtime when it loads: before attnx is imported below; a worker's environment is its
+    # own, and the variable given outside wins.)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import pytest
 
@@ -68,68 +75,22 @@ def core_mha(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k,
 
 
 # ---------------------------------------------------------------------------------------------
-# Shards
+# Workers
 # ---------------------------------------------------------------------------------------------
 
-
-def pytest_collection_modifyitems(config, items):
-    """``ATTNX_TEST_SHARD=k/n`` keeps every n-th test from the k-th (0-based) and deselects the
-    rest, so that n pytest processes side by side share a suite (most of its time is one Python
-    thread). Dealt test by test, the heavy parametrized tests spread over the shards. With
-    ``ATTNX_TEST_CLAIMS`` too (see ``pytest_runtestloop``), nothing is dealt: each process keeps
-    the whole list and takes its next test from a queue that all of them share."""
-    shard = os.environ.get("ATTNX_TEST_SHARD")
-    if not shard:
-        return
-    k, n = (int(x) for x in shard.split("/"))
-    if not 0 <= k < n:
-        raise pytest.UsageError(f"ATTNX_TEST_SHARD must be k/n with 0 <= k < n, got {shard!r}")
-    if os.environ.get("ATTNX_TEST_CLAIMS"):
-        return
-    config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i % n != k])
-    items[:] = items[k::n]
-
-
 @pytest.hookimpl(tryfirst=True)
-def pytest_runtestloop(session):
-    """``ATTNX_TEST_CLAIMS=DIR`` (an empty folder, the same for every shard): the shards collect
-    the same tests in the same order, and each runs the next test that no other has claimed,
-    claiming test i by creating the file DIR/i (O_EXCL: one process wins). Dealt in advance, the
-    shards of CI's runs ended up to a minute apart, as a few tests take seconds and most take
-    milliseconds; claimed one at a time, they end within one test of each other. A shard claims
-    its next test before it runs the current one, so that pytest knows which test follows and
-    tears down module fixtures at the right time."""
-    claims = os.environ.get("ATTNX_TEST_CLAIMS")
-    if not claims or session.config.option.collectonly:
-        return None  # pytest's own loop
-    if session.testsfailed and not session.config.option.continue_on_collection_errors:
-        raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
-    items = session.items
-
-    def claim(start):
-        for i in range(start, len(items)):
-            try:
-                os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                continue
-            return i
-        return None
-
-    i = claim(0)
-    while i is not None:
-        following = claim(i + 1)
-        item = items[i]
-        item.config.hook.pytest_runtest_protocol(
-            item=item, nextitem=None if following is None else items[following])
-        if session.shouldfail:
-            raise session.Failed(session.shouldfail)
-        if session.shouldstop:
-            raise session.Interrupted(session.shouldstop)
-        i = following
-    # For .ci/shards.sh, which checks that the shards collected the same tests and ran them all.
-    with open(os.path.join(claims, f"collected-{os.getpid()}"), "w") as f:
-        f.write(f"{len(items)}\n")
-    return True
+def pytest_cmdline_main(config):
+    """With pytest-xdist, a run that names no ``-n`` runs on every core: ``-n auto --dist
+    worksteal`` (most tests take milliseconds and a few take seconds; idle workers take
+    the others' queued tests). ``-n0`` or ``-p no:xdist`` runs the tests in this process, and
+    so do ``--pdb`` and ``--collect-only``. (Before xdist's own hook of the same order: a
+    conftest's hook runs before the installed plugins'.)"""
+    option = config.option
+    if (config.pluginmanager.hasplugin("xdist") and getattr(option, "numprocesses", 0) is None
+            and not hasattr(config, "workerinput") and not option.usepdb and not option.collectonly):
+        option.numprocesses = "auto"
+        if option.dist == "no":
+            option.dist = "worksteal"
 
 
 # ---------------------------------------------------------------------------------------------
