@@ -1,13 +1,17 @@
-"""Shared knobs of the hardening tests (issue 4): how hard to push, and where to report.
+"""Shared knobs of the hardening tests: how hard to push, and where to report.
 
-The default ``python -m pytest`` runs a quick version of every hardening test (property
-tests with few examples, leak checks over a few thousand calls, ...). ``.ci/run`` sets
-``ATTNX_HARDENING=ci`` for the long versions: many more hypothesis examples, 100k calls per
-entry point in the leak checks, more threads and calls in the concurrency tests.
+The hardening tests (marked ``hardening``: property tests, leak checks, concurrency, fuzzing,
+offsets and counts past 2^31) run in every suite in a quick version: property tests with a few
+dozen cases, leak checks over a few thousand calls, ... Hypothesis' profile ``thorough``
+(``python -m pytest -m hardening --hypothesis-profile=thorough``, as ``.ci/harden`` runs them)
+gives the long versions: thousands of cases per property (conftest.py registers the profiles),
+100k calls per entry point in the leak checks, more threads and calls in the concurrency tests,
+a mask of more than 2^31 elements.
 
 Tests that measure something (examples run, calls made, RSS before and after) record it
 with :func:`record`; when ``ATTNX_HARDENING_REPORT`` names a file, each record is appended
-to it as one JSON line, and ``.ci/run`` prints them at the end.
+to it as one JSON line (``ATTNX_HARDENING_RUN`` labels the run), and ``.ci/harden`` prints
+them at the end.
 """
 
 from __future__ import annotations
@@ -16,15 +20,21 @@ import json
 import os
 import sys
 
-LEVEL = os.environ.get("ATTNX_HARDENING", "quick").strip().lower() or "quick"
-if LEVEL not in ("quick", "ci"):
-    raise RuntimeError(f"ATTNX_HARDENING must be 'quick' or 'ci', got {LEVEL!r}")
-CI = LEVEL == "ci"
+from hypothesis import settings
+
+THOROUGH = "thorough"
 
 
-def scaled(quick, ci):
-    """``ci`` under ``ATTNX_HARDENING=ci``, else ``quick``."""
-    return ci if CI else quick
+def thorough() -> bool:
+    """Whether the loaded Hypothesis profile is ``thorough`` (the long hardening checks)."""
+    # The Hypothesis plugin derives profiles from it for its own options (`-with-...`).
+    name = settings.get_current_profile_name()
+    return name == THOROUGH or name.startswith(THOROUGH + "-")
+
+
+def scaled(quick, long):
+    """``long`` under the ``thorough`` profile, else ``quick``."""
+    return long if thorough() else quick
 
 
 def under_address_sanitizer() -> bool:
@@ -38,7 +48,7 @@ def under_address_sanitizer() -> bool:
 
 def record(test: str, **figures) -> None:
     """Report figures of a hardening test (appended to $ATTNX_HARDENING_REPORT as JSON)."""
-    entry = {"test": test, "isa": _isa(), "run": os.environ.get("ATTNX_HARDENING_RUN", LEVEL), **figures}
+    entry = {"test": test, "isa": _isa(), "run": os.environ.get("ATTNX_HARDENING_RUN", settings.get_current_profile_name()), **figures}
     path = os.environ.get("ATTNX_HARDENING_REPORT")
     if path:
         with open(path, "a", encoding="utf-8") as f:
@@ -92,18 +102,7 @@ def malloc_in_use_bytes():
 _MALLINFO2 = None
 
 
-def hypothesis_settings(quick_examples: int, ci_examples: int, **overrides):
-    """Settings for a property test: derandomized (reproducible), no deadline, no database."""
-    from hypothesis import HealthCheck, settings
-
-    kwargs = dict(
-        max_examples=scaled(quick_examples, ci_examples),
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                               HealthCheck.filter_too_much],
-        print_blob=True,
-    )
-    kwargs.update(overrides)
-    return settings(**kwargs)
+def hypothesis_settings(weight: float = 1.0, **overrides):
+    """Settings for a property test: ``weight`` times the profile's number of cases (the
+    profiles, registered in conftest.py, say the rest: derandomized, no deadline, no database)."""
+    return settings(max_examples=max(1, round(weight * settings().max_examples)), **overrides)

@@ -23,6 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 import attnx
 import attnx.reference as reference  # a submodule import: works whether or not attnx exports it
@@ -75,8 +76,24 @@ def core_mha(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k,
 
 
 # ---------------------------------------------------------------------------------------------
-# Workers
+# Depth: Hypothesis profiles; markers
 # ---------------------------------------------------------------------------------------------
+
+# How hard the property tests push, chosen with Hypothesis' own option
+# ``--hypothesis-profile=NAME``. Every profile is derandomized (a run is reproducible) and has no
+# deadline (the cases' sizes vary a thousandfold) and no example database. Hypothesis loads its
+# profile ``ci`` by itself wherever the CI variable is set: here it is the default's, so that CI
+# runs the suite as a developer does. ``thorough`` is the hardening run's (.ci/harden): thousands
+# of cases per property, and the long versions of the other hardening checks (_hardening.py).
+# max_examples is the weight-1 test's; test_properties.py scales it per test.
+_COMMON_SETTINGS = dict(
+    deadline=None, derandomize=True, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+settings.register_profile("default", max_examples=50, **_COMMON_SETTINGS)
+settings.register_profile("ci", settings.get_profile("default"))
+settings.register_profile("dev", max_examples=10, **_COMMON_SETTINGS)
+settings.register_profile("thorough", max_examples=2500, **_COMMON_SETTINGS)
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
@@ -91,6 +108,17 @@ def pytest_cmdline_main(config):
         option.numprocesses = "auto"
         if option.dist == "no":
             option.dist = "worksteal"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks ``torch`` the tests that compare with torch: those of a module that imports it
+    at its top, and those that take a fixture named ``torch`` (the modules' fixtures that
+    import it or skip). A test that imports torch in its body carries the mark itself."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if "torch" in getattr(item, "fixturenames", ()) or (
+                getattr(getattr(module, "torch", None), "__name__", None) == "torch"):
+            item.add_marker(pytest.mark.torch)
 
 
 # ---------------------------------------------------------------------------------------------

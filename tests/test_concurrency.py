@@ -12,7 +12,8 @@
   calls alone there), in a plain fork, a multiprocessing "fork" pool, and a fork from a
   worker thread.
 
-The default run uses 8 threads x 40 calls; ``ATTNX_HARDENING=ci`` 16 threads x 400 calls.
+The default run uses 8 threads x 40 calls; the ``thorough`` profile (see _hardening.py)
+16 threads x 400 calls.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import pytest
 import attnx
 from _hardening import record, scaled, under_address_sanitizer
 from conftest import core_mha, core_sdpa, assert_identical, mha_args, mha_mask, randn, sdpa_mask
+
+pytestmark = pytest.mark.hardening
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
 

@@ -21,6 +21,8 @@ import pytest
 import attnx
 from _hardening import record, scaled
 
+pytestmark = pytest.mark.hardening
+
 FUZZ = pathlib.Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_attnx.py"
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
 

@@ -185,6 +185,7 @@ def test_half_module(rng, name):
     np.testing.assert_allclose(steps.astype(f64), out.astype(f64), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.torch
 def test_from_torch_float16_module():
     torch = pytest.importorskip("torch")
     tm = torch.nn.MultiheadAttention(8, 2, dtype=torch.float16)

@@ -46,6 +46,7 @@ def exported(tmp_path_factory):
     return directory, written, example
 
 
+@pytest.mark.torch
 def test_export_then_serve_without_torch(exported):
     import torch
 
@@ -74,6 +75,7 @@ def test_export_then_serve_without_torch(exported):
     assert "torch imported: False" in lines
 
 
+@pytest.mark.torch
 def test_serve_detects_wrong_weights(exported, tmp_path):
     # The check can fail: slightly different weights do not reproduce torch's output.
     directory, _, example = exported

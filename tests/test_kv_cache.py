@@ -269,6 +269,7 @@ def test_cached_attention_out_and_empty(rng):
     np.testing.assert_allclose(out64, ref_cached(q, cache), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.torch
 def test_cached_attention_agrees_with_torch(rng):
     torch = pytest.importorskip("torch")
     B, H, E, S, T = 3, 2, 8, 12, 3

@@ -8,7 +8,7 @@
   must equal the reference's on contiguous copies, and a guard row next to the output rows
   must stay untouched.
 * Counts: broadcast (stride-0) operands give an sdpa call of more than 2^31 scores (and,
-  under ATTNX_HARDENING=ci, a mask of more than 2^31 logical elements) in a second or so
+  under the ``thorough`` profile, a mask of more than 2^31 logical elements) in a second or so
   of compute; every batch must equal the one computed alone.
 """
 
@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 
 import attnx
-from _hardening import CI, under_address_sanitizer
+from _hardening import thorough, under_address_sanitizer
 from attnx import _core
 from conftest import core_sdpa, DTYPE_IDS, DTYPES, assert_close, ref_mha, ref_sdpa
+
+pytestmark = pytest.mark.hardening
 
 ROW_GAP = 2**27  # elements between consecutive rows of every array below
 TWO31 = 2**31
@@ -195,7 +197,7 @@ def test_more_than_2_31_scores(rng, dtype):
     q, k, v = (np.broadcast_to(a, (B, 1) + a.shape[2:]) for a in (q1, k1, v1))
     mask = np.broadcast_to(m1, (B, 1, L, S))
     cases = [({}, {})]
-    if CI:  # the masked tile path reads the mask per score: ~10x the time, so CI only
+    if thorough():  # the masked tile path reads the mask per score: ~10x the time, so CI only
         cases.append(({"attn_mask": mask}, {"attn_mask": m1}))
     for kw, kw1 in cases:
         got = attnx.scaled_dot_product_attention(q, k, v, **kw)

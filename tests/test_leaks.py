@@ -2,13 +2,13 @@
 
 Each entry point -- on its success path and on paths that raise (bad shapes, bad dtypes,
 bad flags) -- is called N times with small shapes after a warm-up; the RSS after the calls
-may exceed the RSS before them by at most a small allowance. ``ATTNX_HARDENING=ci`` (set by
-``.ci/run``) makes N 100 000, where the 2 MiB allowance is 21 bytes a call: leaking one
-result array, one Python object or one C++ buffer per call is caught. The default run makes
-N 4 000 (then 2 MiB is 524 bytes a call: a leaked result array is still caught).
-RSS before and after is recorded for every entry point. Because the RSS misses a leak fed from
-memory the allocator already holds, malloc's count of bytes in use (glibc mallinfo2) and
-Python's count of live blocks must stay flat too.
+may exceed the RSS before them by at most a small allowance. Hypothesis' profile ``thorough``
+(``--hypothesis-profile=thorough``, as ``.ci/harden`` runs it) makes N 100 000, where the 2 MiB
+allowance is 21 bytes a call: leaking one result array, one Python object or one C++ buffer
+per call is caught. The default run makes N 4 000 (then 2 MiB is 524 bytes a call: a leaked
+result array is still caught). RSS before and after is recorded for every entry point.
+Because the RSS misses a leak fed from memory the allocator already holds, malloc's count of
+bytes in use (glibc mallinfo2) and Python's count of live blocks must stay flat too.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from attnx import _core
 # ASan replaces the allocator: freed memory waits in its quarantine (hundreds of MiB) before
 # reuse and mallinfo2 reports nothing, so neither the RSS nor malloc's count says anything
 # about leaks there. The release builds are checked on every run of the suite.
-pytestmark = pytest.mark.skipif(under_address_sanitizer(),
-                                reason="leak measurements are meaningless under ASan's allocator")
+pytestmark = [
+    pytest.mark.hardening,
+    pytest.mark.skipif(under_address_sanitizer(),
+                       reason="leak measurements are meaningless under ASan's allocator"),
+]
 
 CALLS = scaled(4_000, 100_000)
 ALLOWANCE = 2 * 1024 * 1024

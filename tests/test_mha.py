@@ -1086,6 +1086,7 @@ def test_random_combinations(seed, N, H, head_dim, L, S, kdim, attn, attn_rank, 
         assert np.isfinite(w).all()
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_output_projection_may_change_the_width(rng, batch_first):
     # torch's functional accepts out_proj_weight of shape (E_out, E).

@@ -151,6 +151,7 @@ def torch_state_numpy(tm):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_from_torch_copies_config_and_weights(name, dtype):
@@ -186,6 +187,7 @@ def test_from_torch_copies_config_and_weights(name, dtype):
         np.testing.assert_array_equal(am.out_proj_bias, tm.out_proj.bias.detach().numpy())
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_state_dict_keys_equal_torch(name, dtype):
@@ -202,6 +204,7 @@ def test_state_dict_keys_equal_torch(name, dtype):
     tm.load_state_dict({k: torch.from_numpy(v) for k, v in ours.items()})
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_outputs_match_torch(name, dtype):
@@ -218,6 +221,7 @@ def test_outputs_match_torch(name, dtype):
     assert out.shape == expected
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_load_state_dict_from_torch_state_dict_matches(name, dtype):
@@ -234,6 +238,7 @@ def test_load_state_dict_from_torch_state_dict_matches(name, dtype):
     assert_forward_matches(am, tm, dtype, q, k, v, key_padding_mask=kpm, average_attn_weights=False)
 
 
+@pytest.mark.torch
 def test_torch_tensors_requiring_grad_and_bfloat16_load():
     torch = _torch()
     tm = make_torch_mha({}, np.float32)
@@ -271,6 +276,7 @@ WEIGHT_OPTIONS = {
 }
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("weight_options", WEIGHT_OPTIONS)
 @pytest.mark.parametrize("mask_case", MASK_CASES)
 @pytest.mark.parametrize("name", ["default", "batch_first", "bias_kv_zero_attn_kdim"])
@@ -291,6 +297,7 @@ def test_masks_match_torch(name, mask_case, weight_options):
     assert_forward_matches(am, tm, dtype, q, k, v, **options)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", ["default", "no_bias", "bias_kv_zero_attn_kdim", "everything"])
 def test_masks_match_torch_float64_and_all_options(name, dtype):
@@ -305,6 +312,7 @@ def test_masks_match_torch_float64_and_all_options(name, dtype):
         assert_forward_matches(am, tm, dtype, q, k, v, attn_mask=attn_mask, key_padding_mask=kpm, **options)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("name", ["default", "no_bias", "bias_kv", "zero_attn", "kdim_vdim", "everything"])
 def test_unbatched_inputs_match_torch(name, dtype):
@@ -331,6 +339,7 @@ def test_unbatched_inputs_match_torch(name, dtype):
     )
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("name", ["default", "batch_first"])
 def test_is_causal_alone_equals_torch_with_causal_mask(name, need_weights):
@@ -352,6 +361,7 @@ def test_is_causal_alone_equals_torch_with_causal_mask(name, need_weights):
         assert_same(ours[1], theirs[1], dtype)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_self_attention_fast_path_matches(need_weights):
     """batch_first self-attention with query is key is value takes torch's fused fast path."""
@@ -424,6 +434,7 @@ def _uniform_bound_check(ours, theirs, bound):
     assert np.abs(theirs).max() <= bound * (1 + 1e-6)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 def test_init_packed_matches_torch_distribution(dtype):
     torch = _torch()
@@ -453,6 +464,7 @@ def test_init_packed_matches_torch_distribution(dtype):
     assert not np.array_equal(am.bias_k, am.bias_v)
 
 
+@pytest.mark.torch
 def test_init_separate_projections_match_torch_distribution():
     torch = _torch()
     e, kdim, vdim = 256, 64, 512
@@ -700,6 +712,7 @@ def test_forward_does_not_modify_inputs():
         assert not np.shares_memory(out, a) and not np.shares_memory(weights, a)
 
 
+@pytest.mark.torch
 def test_from_torch_weights_are_copies():
     torch = _torch()
     tm = make_torch_mha({}, np.float32)
@@ -710,6 +723,7 @@ def test_from_torch_weights_are_copies():
     np.testing.assert_array_equal(am.in_proj_weight, before)
 
 
+@pytest.mark.torch
 def test_from_torch_rejects_other_objects():
     with pytest.raises(TypeError, match="from_torch expects a torch.nn.MultiheadAttention"):
         attnx.MultiheadAttention.from_torch(object())

@@ -16,8 +16,8 @@ multi_head_attention_forward and MultiheadAttention (its state_dict round trip i
 
 Cases are drawn as dicts so that a minimal failing case hypothesis shrinks to can be kept,
 as it printed, in an ``@example`` (the regression cases below each carry the bug they
-caught). The default run draws a few dozen cases per property; ``ATTNX_HARDENING=ci`` (set
-by ``.ci/run``) draws thousands. The number of cases run is recorded (see _hardening.py).
+caught). The default run draws a few dozen cases per property; Hypothesis' profile ``thorough``
+(``--hypothesis-profile=thorough``, as ``.ci/harden`` runs them) draws thousands. The number of cases run is recorded (see _hardening.py).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from conftest import (
     ref_mha,
     ref_sdpa,
 )
+
+pytestmark = pytest.mark.hardening
 
 LAYOUTS = ["c"] + list(SAME_VALUE_VARIANTS) + list(BROADCAST_VARIANTS)
 DTYPE_NAMES = ["float32", "float64"]
@@ -225,7 +227,7 @@ def check_sdpa(case):
     assert_no_shared_memory([got], arrays)
 
 
-@hypothesis_settings(40, 2500)
+@hypothesis_settings()
 @given(sdpa_cases())
 def sdpa_property(case):
     sdpa_property.calls += 1
@@ -359,7 +361,7 @@ def check_mha(case):
     assert_no_shared_memory([out, weights], args)
 
 
-@hypothesis_settings(40, 2500)
+@hypothesis_settings()
 @given(mha_cases())
 def mha_property(case):
     mha_property.calls += 1
@@ -506,7 +508,7 @@ def check_module(case):
     "need_weights": False, "average": False, "is_causal": False,
     "layouts": {"query": "odd_byte_strides", "key": "c", "value": "c"}, "state_as": "numpy", "seed": 0,
 })
-@hypothesis_settings(30, 1500)
+@hypothesis_settings(0.6)
 @given(module_cases())
 def module_property(case):
     module_property.calls += 1
@@ -576,7 +578,7 @@ def check_step(case):
 # Found by the fuzzer: heads of one dimension, a batch of one and a prompt of several tokens.
 @example({"H": 3, "E": 3, "lengths": [5], "prompts": [3], "layout": "seq_first", "dtype": np.float32,
           "storage": np.float32, "seed": 0})
-@hypothesis_settings(50, 1000)
+@hypothesis_settings(0.4)
 @given(step_cases())
 def step_property(case):
     step_property.calls += 1

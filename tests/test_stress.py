@@ -16,6 +16,8 @@ import attnx
 from _hardening import record
 from conftest import DTYPE_IDS, DTYPES, assert_close, randn, ref_mha, ref_sdpa, to64, usable_isas
 
+pytestmark = pytest.mark.hardening
+
 sdpa = attnx.scaled_dot_product_attention
 mha = attnx.multi_head_attention_forward
 
