@@ -34,6 +34,7 @@ def load_fuzz_module():
     return module
 
 
+@pytest.mark.slow
 def test_short_fixed_seed_fuzz_run(tmp_path):
     # A fixed number of inputs (not a time bound), so that the run is the same every time.
     inputs = scaled(2000, 8000)
@@ -83,6 +84,7 @@ def test_the_oracle_catches_a_wrong_result(monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_the_step_oracle_catches_a_wrong_result_and_a_late_error(monkeypatch):
     """The decoding step's checks have teeth: a result 1% off fails, and so does a step that
     appends the new tokens to the cache and then raises (an allowed ValueError, too late)."""

@@ -107,6 +107,7 @@ SWEEP = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", usable_isas())
 def test_kernel_agrees_with_reference(isa):
     env = dict(os.environ, ATTNX_ISA=isa)

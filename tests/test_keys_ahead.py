@@ -29,6 +29,7 @@ def _key_heads_past_64_mib(S, E, Ev, itemsize):
     return 64 * MIB // (S * (E + Ev) * itemsize) + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     ["one-tile", "grouped-tiles", "gqa", "bottom-right", "padding", "float16", "values-of-80"],

@@ -179,6 +179,7 @@ def test_module_offsets_past_2_31(arena, rng):
     assert_close(weights, exp[1], dt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32], ids=["f32"])
 @pytest.mark.skipif(
     under_address_sanitizer(),

@@ -127,6 +127,7 @@ def at_byte_offset(x, offset, row_pad=0):
     return y
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("Ev", [64, 40])
 def test_values_anywhere_in_memory_give_the_same_bits(rng, Ev, dtype):

@@ -107,7 +107,7 @@ def test_float32_to_float16_every_top_half():
         check(x, "float16")
 
 
-# Slices of 2^28 patterns (sign, exponent's top 3 bits), so that shards share them out.
+# Slices of 2^28 patterns (sign, exponent's top 3 bits), so that xdist's workers share them out.
 @EVERY_PATTERN
 @pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
 @pytest.mark.parametrize("block", range(16))

@@ -280,6 +280,7 @@ ISA_BATTERY = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_available_kernel_matches_the_reference(isa):
     proc = run_python("import attnx; print(attnx.show_config()['isa'])", ATTNX_ISA=isa)

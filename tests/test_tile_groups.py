@@ -44,6 +44,7 @@ def _atol(v, E, dtype):
     return max(1e-6, 8 * 2.0**-24 * np.sqrt(E) * np.sqrt(np.mean(np.square(v))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "case", ["plain", "causal", "bottom-right", "padding", "mask", "gqa", "nan-closed"]
