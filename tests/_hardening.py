@@ -23,13 +23,13 @@ import sys
 from hypothesis import settings
 
 THOROUGH = "thorough"
+# The Hypothesis profile of this run (--hypothesis-profile), set by conftest.py.
+PROFILE = "default"
 
 
 def thorough() -> bool:
-    """Whether the loaded Hypothesis profile is ``thorough`` (the long hardening checks)."""
-    # The Hypothesis plugin derives profiles from it for its own options (`-with-...`).
-    name = settings.get_current_profile_name()
-    return name == THOROUGH or name.startswith(THOROUGH + "-")
+    """Whether this run loaded the Hypothesis profile ``thorough`` (the long hardening checks)."""
+    return PROFILE == THOROUGH
 
 
 def scaled(quick, long):
@@ -48,7 +48,7 @@ def under_address_sanitizer() -> bool:
 
 def record(test: str, **figures) -> None:
     """Report figures of a hardening test (appended to $ATTNX_HARDENING_REPORT as JSON)."""
-    entry = {"test": test, "isa": _isa(), "run": os.environ.get("ATTNX_HARDENING_RUN", settings.get_current_profile_name()), **figures}
+    entry = {"test": test, "isa": _isa(), "run": os.environ.get("ATTNX_HARDENING_RUN", PROFILE), **figures}
     path = os.environ.get("ATTNX_HARDENING_REPORT")
     if path:
         with open(path, "a", encoding="utf-8") as f:

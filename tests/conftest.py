@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+import _hardening
 import attnx
 import attnx.reference as reference  # a submodule import: works whether or not attnx exports it
 
@@ -91,9 +92,13 @@ _COMMON_SETTINGS = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 settings.register_profile("default", max_examples=50, **_COMMON_SETTINGS)
-settings.register_profile("ci", settings.get_profile("default"))
+settings.register_profile("ci", max_examples=50, **_COMMON_SETTINGS)
 settings.register_profile("dev", max_examples=10, **_COMMON_SETTINGS)
 settings.register_profile("thorough", max_examples=2500, **_COMMON_SETTINGS)
+
+def pytest_configure(config):
+    _hardening.PROFILE = config.getoption("hypothesis_profile", None) or "default"
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
