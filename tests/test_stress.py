@@ -304,6 +304,7 @@ def test_weights_at_the_edge_of_the_normal_range(dtype, L):
 MILLION = 1 << 20
 
 
+@pytest.mark.large
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("L", [1, 3, 40])
@@ -327,6 +328,7 @@ def test_one_million_keys(rng, dtype, L):
         assert_close(got, ref_sdpa(q, k, v, mask), dtype)
 
 
+@pytest.mark.large
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_one_million_keys_large_logits_and_nan(rng, dtype):
@@ -344,6 +346,7 @@ def test_one_million_keys_large_logits_and_nan(rng, dtype):
     assert np.isnan(got[0, 1, 0, 1]) and np.isfinite(got[0, 0]).all() and np.isfinite(got[0, 1, 0, 0])
 
 
+@pytest.mark.large
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_mha_one_million_keys(rng, dtype):
