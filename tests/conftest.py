@@ -77,7 +77,7 @@ def core_mha(num_heads, query, key, value, w_q, w_k, w_v, b_q, b_k, b_v, bias_k,
 
 
 # ---------------------------------------------------------------------------------------------
-# Depth: Hypothesis profiles; markers
+# Running the suite: xdist's workers, Hypothesis profiles, markers
 # ---------------------------------------------------------------------------------------------
 
 # How hard the property tests push, chosen with Hypothesis' own option
@@ -97,6 +97,7 @@ settings.register_profile("dev", max_examples=10, **_COMMON_SETTINGS)
 settings.register_profile("thorough", max_examples=2500, **_COMMON_SETTINGS)
 
 def pytest_configure(config):
+    """The profile named by --hypothesis-profile, for the hardening tests' other knobs."""
     _hardening.PROFILE = config.getoption("hypothesis_profile", None) or "default"
 
 
