@@ -29,12 +29,12 @@ def _run(args: list, cwd: pathlib.Path, env: dict | None = None) -> subprocess.C
                           timeout=300, env=env or os.environ.copy())
 
 
+@pytest.mark.slow
 def test_type_completeness_of_the_public_api(tmp_path):
     pytest.importorskip("basedpyright")
     # pyright asks the `python` first on PATH for its import paths: this interpreter's.
     env = os.environ.copy()
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    env.pop("PYTHONPATH", None)
     proc = _run(["-m", "basedpyright", "--verifytypes", "attnx", "--ignoreexternal", "--outputjson"],
                 tmp_path, env)
     assert proc.stdout.strip(), proc.stderr
@@ -47,6 +47,7 @@ def test_type_completeness_of_the_public_api(tmp_path):
     assert report["completenessScore"] >= COMPLETENESS, (report["completenessScore"], unknown)
 
 
+@pytest.mark.slow
 def test_typed_program_passes_mypy_strict(tmp_path):
     pytest.importorskip("mypy")
     proc = _run(["-m", "mypy", "--strict", "--no-error-summary", "--cache-dir", str(tmp_path / "cache"),
