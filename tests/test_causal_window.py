@@ -249,10 +249,14 @@ def test_bad_is_causal(flag):
         attnx.MultiheadAttention(8, 2)(args["query"], args["key"], args["value"], is_causal=flag)
 
 
-def test_bottom_right_with_attn_mask_is_an_error():
-    q = np.ones((1, 2, 3, 4), np.float32)
-    with pytest.raises(ValueError, match="attn_mask.*is_causal"):
-        sdpa(q, q, q, attn_mask=np.ones((3, 3), bool), is_causal="bottom_right")
+def test_bottom_right_with_attn_mask_applies_both():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 5, 4)).astype(np.float32)
+    mask = rng.random((3, 5)) < 0.7
+    got = sdpa(q, k, k, attn_mask=mask, is_causal="bottom_right")
+    want = reference.scaled_dot_product_attention(q.astype(np.float64), k, k, mask, is_causal="bottom_right")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("window, error", [

@@ -143,11 +143,48 @@ def test_sdpa_scale_not_a_number(scale):
         sdpa(q, k, v, scale=scale)
 
 
-@pytest.mark.parametrize("mask", [np.ones((5, 7), bool), np.zeros((5, 7), f32)])
-def test_sdpa_causal_with_mask(mask):
+@pytest.mark.parametrize("softcap", [0, 0.0, -1.0, np.nan, np.inf, -np.inf])
+def test_sdpa_softcap_out_of_range(softcap):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"attn_mask.*is_causal|is_causal.*attn_mask"):
-        sdpa(q, k, v, attn_mask=mask, is_causal=True)
+    with pytest.raises(ValueError, match=r"softcap must be finite and > 0"):
+        sdpa(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", ["30", True, [30.0], object()])
+def test_sdpa_softcap_not_a_number(softcap):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"softcap must be a positive number or None"):
+        sdpa(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("stage", ["probs", "QK", "", 3, True])
+def test_sdpa_unknown_return_scores(stage):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"return_scores must be None or one of 'qk', 'softcapped', 'masked', 'softmax'"):
+        sdpa(q, k, v, return_scores=stage)
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 1.0, 1])
+def test_sdpa_dropout_is_inference_only(dropout_p):
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match=r"inference only"):
+        sdpa(q, k, v, None, dropout_p)
+
+
+@pytest.mark.parametrize("dropout_p", [-0.5, 1.5, np.nan])
+def test_sdpa_dropout_out_of_range(dropout_p):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
+        sdpa(q, k, v, dropout_p=dropout_p)
+
+
+@pytest.mark.parametrize("dropout_p", [True, "0.0", None])
+def test_sdpa_is_causal_in_dropouts_place(dropout_p):
+    # attnx's former order (q, k, v, mask, is_causal) put is_causal fifth; torch's has
+    # dropout_p there, and the message says so.
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"dropout_p must be a number.*is_causal comes after dropout_p"):
+        sdpa(q, k, v, None, dropout_p)
 
 
 # out=

@@ -275,8 +275,9 @@ def test_help_of_sdpa_is_useful():
     # and the result. The annotations are strings (`from __future__ import annotations`).
     assert "is_causal: \"bool | Literal['top_left', 'bottom_right']\" = False" in text
     names = re.sub(r""": (?:'[^']*'|"[^"]*")( = )?""", lambda m: "=" if m.group(1) else "", text)
-    assert "scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False" in names
-    for word in ("Parameters", "Returns", "attn_mask", "is_causal", "enable_gqa", "scale", "out"):
+    assert "scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False" in names
+    for word in ("Parameters", "Returns", "attn_mask", "dropout_p", "is_causal", "enable_gqa", "scale", "softcap",
+                 "return_scores", "out"):
         assert word in text, word
 
 

@@ -326,7 +326,9 @@ def test_sdpa_accepts_nested_lists():
 
 
 SDPA_ERRORS = [
-    ("causal and mask", dict(attn_mask=np.ones((L, S), bool), is_causal=True), ValueError),
+    ("softcap 0", dict(softcap=0.0), ValueError),
+    ("unknown scores", dict(return_scores="logits"), ValueError),
+    ("dropout", dict(dropout_p=0.5), NotImplementedError),
     ("int mask", dict(attn_mask=np.ones((L, S), np.int64)), TypeError),
     ("bad mask shape", dict(attn_mask=np.ones((L, S + 1), bool)), ValueError),
     ("mask with too many dims", dict(attn_mask=np.ones((2, N, H, L, S), bool)), ValueError),

@@ -77,9 +77,10 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     if constexpr (std::is_same_v<T, float>) {
       if (direct_keys)
         kt.scores_16bit[keys.bits_kind](q_rows, n_rows, keys.bits + start * keys.ld, keys.ld, n,
-                                        E, a.scale, s_rows, true);
+                                        E, a.query_scale(), s_rows, true);
     }
-    if (!direct_keys) kt.scores(q_rows, n_rows, kb, ldk, n, E, a.scale, s_rows, keys.native);
+    if (!direct_keys) kt.scores(q_rows, n_rows, kb, ldk, n, E, a.query_scale(), s_rows, keys.native);
+    if (a.softcap > 0) kt.softcap(tile, rows, kKeyBlock, n, a.softcap);
     // The rows whose values go through the block in one pass, together.
     const T* p_plain[kQueryBlock];
     T* acc_plain[kQueryBlock];
@@ -188,8 +189,9 @@ void rows_with_weights(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0
       int64_t ldk;
       const T* kb = keys.rows(j0, n, k_buf, ldk);
       T* scores = p + j0;
-      kt.scores(&q, 1, kb, ldk, n, E, a.scale, &scores, i == i0 && keys.native);
+      kt.scores(&q, 1, kb, ldk, n, E, a.query_scale(), &scores, i == i0 && keys.native);
     }
+    if (a.softcap > 0) kt.softcap(p, 1, S_read, S_read, a.softcap);
     std::fill(p + S_read, p + S, T(0));
     const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
     const T sum = kt.exp_shift_sum(p, S_read, exp_shift(kt.row_max(p, S_read)));

@@ -5,6 +5,7 @@
 //   m = -inf, l = 0, O = 0                                  per query lane
 //   for each key block Kb, Vb the tile may attend:
 //     St = Kb . Qt              (keys x queries: lanes are queries)      (1)
+//     St = c tanh(St / c), with a soft cap c
 //     close masked / out-of-band entries: St = -inf by selection         (2)
 //     online softmax down each column: m, l, alpha; St = exp(St - m)     (3)
 //     O = diag(alpha) O + St^T . Vb                                      (4)
@@ -153,7 +154,7 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   t.lanes = static_cast<int>((rows + kt.vector_width - 1) / kt.vector_width) * kt.vector_width;
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
   prefetch_rows(a.query.at(b, h, i0), a.query.stride[2], rows, E * int64_t(sizeof(T)));
-  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, t.q_t, qt);
+  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.query_scale(), t.q_t, qt);
   std::fill(t.m, t.m + qt, kNegInf<T>);
   t.have_total = false;
 
@@ -227,6 +228,7 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     } else {
       kt.gemm(n, t.lanes, E, kb, ldk, 1, t.q_t, qt, st, qt, GemmInit::kZero, nullptr);
     }
+    if (a.softcap > 0) kt.softcap(st, n, qt, t.lanes, a.softcap);
     // (2) bands and masks
     const bool any_closed = t.masks.apply(a, kt, mask_block, start, n, st, mask_scratch);
     // (3) online softmax

@@ -43,7 +43,7 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
   const bool* open = masks.open;
   const int64_t S_end = masks.weights_end(a);
   const int lanes = static_cast<int>((rows + W - 1) / W) * W;
-  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.scale, q_t, qt);
+  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.query_scale(), q_t, qt);
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
   const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
 
@@ -60,6 +60,7 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
     int64_t ldk;
     const T* kb = keys.rows(j0, n, k_buf, ldk);
     kt.gemm(n, lanes, E, kb, ldk, 1, q_t, qt, sb, qt, GemmInit::kZero, nullptr);
+    if (a.softcap > 0) kt.softcap(sb, n, qt, lanes, a.softcap);
     any_closed = masks.apply(a, kt, mask_block, j0, n, sb, mask_scratch) || any_closed;
   }
   // (3) the scores transposed into the rows of the weights (zero past

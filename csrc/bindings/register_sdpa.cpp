@@ -32,7 +32,9 @@ namespace {
 
 // The scalar arguments of an attention call, checked by Python
 // (attnx._canonical) before they are made: causal alignment, scale (NaN for
-// the default 1/sqrt(E)), window extents (< 0 unbounded) and grouped heads.
+// the default 1/sqrt(E)), window extents (< 0 unbounded), grouped heads, the
+// soft cap (0: none) and the stage of the scores returned (< 0: none; else a
+// ScoreStage).
 struct SdpaOptions {
   bool causal = false;
   bool bottom_right = false;
@@ -40,16 +42,19 @@ struct SdpaOptions {
   int64_t window_left = -1;
   int64_t window_right = -1;
   bool enable_gqa = false;
+  double softcap = 0;
+  int scores = -1;
 };
 
 // What some calls add: per-batch lengths for attention over a KV cache (keys
 // [0, key_lengths[b]) of each sequence, whose last query_lengths[b] rows are
-// its newest tokens), and a C-contiguous (B, H, L, S) array for the
-// attention probabilities.
+// its newest tokens), a C-contiguous (B, H, L, S) array for the attention
+// probabilities, and one for the scores at the options' stage.
 struct SdpaExtras {
   OptArray key_lengths;
   OptArray query_lengths;
   OptArray weights;
+  OptArray scores;
 };
 
 void run_sdpa(const py::array& query, const py::array& key, const py::array& value,
@@ -138,12 +143,15 @@ void apply_options(const SdpaOptions& o, int64_t S, SdpaArgs<T>& a) {
   const double scale =
       std::isnan(o.scale) ? (E > 0 ? 1.0 / std::sqrt(static_cast<double>(E)) : 1.0) : o.scale;
   if (!std::isfinite(scale)) throw py::value_error("scale must be finite");
+  if (!(o.softcap >= 0) || !std::isfinite(o.softcap))
+    throw py::value_error("softcap must be finite and > 0 (0 here: none)");
   a.mask_cols = S;
   a.range.causal = o.causal;
   a.range.bottom_right = o.bottom_right;
   a.range.window_left = window_extent(o.window_left, S + L);
   a.range.window_right = window_extent(o.window_right, S + L);
   a.scale = static_cast<T>(scale);
+  a.softcap = static_cast<T>(o.softcap);
 }
 
 template <typename T>
@@ -185,8 +193,14 @@ void run_sdpa_typed(const py::array& query, const py::array& key, const py::arra
   require_shape(a.out, "out", {B, Hq, L, Ev});
   OptArray weights = extras.weights;
   a.weights = contiguous_output<T>(weights, "weights", {B, Hq, L, S});
+  OptArray scores = extras.scores;
+  T* scores_data = contiguous_output<T>(scores, "scores", {B, Hq, L, S});
+  if (scores_data && (o.scores < 0 || o.scores > int(ScoreStage::kSoftmax) ||
+                      a.range.key_lengths || a.range.query_lengths))
+    throw py::value_error("scores: a stage of ScoreStage, and no key or query lengths");
   py::gil_scoped_release release;
   sdpa_forward(a);
+  if (scores_data) sdpa_scores(a, static_cast<ScoreStage>(o.scores), scores_data);
 }
 
 // Whether q, k and v are already what attnx._canonical.sdpa_call would hand
@@ -239,7 +253,7 @@ const py::object& python_sdpa_call() {
 py::object sdpa(const py::handle& query, const py::handle& key, const py::handle& value,
                 const py::handle& attn_mask, const py::object& options, const py::handle& out) {
   const SdpaOptions& o = options.cast<const SdpaOptions&>();
-  if (attn_mask.is_none() && out.is_none() && py::isinstance<py::array>(query) &&
+  if (attn_mask.is_none() && out.is_none() && o.scores < 0 && py::isinstance<py::array>(query) &&
       py::isinstance<py::array>(key) && py::isinstance<py::array>(value)) {
     const auto q = py::reinterpret_borrow<py::array>(query);
     const auto k = py::reinterpret_borrow<py::array>(key);
@@ -248,21 +262,30 @@ py::object sdpa(const py::handle& query, const py::handle& key, const py::handle
     if (canonical_inputs<double>(q, k, v, o.enable_gqa))
       return sdpa_canonical<double>(q, k, v, o);
   }
-  // (q, k, v, mask or None, target or None, computed, result): the core
-  // writes `target`, a (B, H, L, Ev) view of `computed`; a half-precision
-  // result is then rounded from it.
+  // (q, k, v, mask or None, target or None, computed, result, scores): the
+  // core writes `target`, a (B, H, L, Ev) view of `computed`; a
+  // half-precision result is then rounded from it. `scores` is None, or
+  // (target, computed, result) of the scores, (B, H, L, S) and the same.
   const py::tuple call = python_sdpa_call()(query, key, value, attn_mask, options, out);
   py::object result = call[6];
+  const bool with_scores = !call[7].is_none();
   if (!call[4].is_none()) {
     py::array target = call[4].cast<py::array>();
     const OptArray mask =
         call[3].is_none() ? OptArray() : OptArray(call[3].cast<py::array>());
+    SdpaExtras extras;
+    if (with_scores) extras.scores = call[7].cast<py::tuple>()[0].cast<py::array>();
     run_sdpa(call[0].cast<py::array>(), call[1].cast<py::array>(), call[2].cast<py::array>(),
-             mask, o, target);
+             mask, o, target, extras);
     const py::object computed = call[5];
     if (!computed.is(result)) result[py::ellipsis()] = computed;
   }
-  return result;
+  if (!with_scores) return result;
+  const py::tuple scores = call[7].cast<py::tuple>();
+  py::object scores_result = scores[2];
+  const py::object scores_computed = scores[1];
+  if (!scores_computed.is(scores_result)) scores_result[py::ellipsis()] = scores_computed;
+  return py::make_tuple(result, scores_result);
 }
 
 // Runs the core on canonical (B, H, L, E) arrays: checks that the views fit
@@ -300,20 +323,22 @@ void register_sdpa(py::module_& m) {
   py::class_<SdpaOptions>(m, "SdpaOptions",
                           "The checked scalar arguments of an attention call.")
       .def(py::init([](bool causal, bool bottom_right, double scale, int64_t window_left,
-                       int64_t window_right, bool enable_gqa) {
-             return SdpaOptions{causal, bottom_right, scale, window_left, window_right,
-                                enable_gqa};
+                       int64_t window_right, bool enable_gqa, double softcap, int scores) {
+             return SdpaOptions{causal,    bottom_right, scale,   window_left,
+                                window_right, enable_gqa, softcap, scores};
            }),
            py::arg("causal") = false, py::arg("bottom_right") = false,
            py::arg("scale") = std::numeric_limits<double>::quiet_NaN(),
            py::arg("window_left") = -1, py::arg("window_right") = -1,
-           py::arg("enable_gqa") = false)
+           py::arg("enable_gqa") = false, py::arg("softcap") = 0.0, py::arg("scores") = -1)
       .def_readonly("causal", &SdpaOptions::causal)
       .def_readonly("bottom_right", &SdpaOptions::bottom_right)
       .def_readonly("scale", &SdpaOptions::scale)
       .def_readonly("window_left", &SdpaOptions::window_left)
       .def_readonly("window_right", &SdpaOptions::window_right)
-      .def_readonly("enable_gqa", &SdpaOptions::enable_gqa);
+      .def_readonly("enable_gqa", &SdpaOptions::enable_gqa)
+      .def_readonly("softcap", &SdpaOptions::softcap)
+      .def_readonly("scores", &SdpaOptions::scores);
   m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
         py::arg("options"), py::arg("out"),
         "Scaled dot-product attention: the arguments as the caller gave them, the options\n"

@@ -106,6 +106,10 @@ struct KernelTable {
   // x[r * ld + j] *= factors[j] for r < rows, j < cols (a multiple of the
   // vector width): a factor per column, as scale's per row.
   void (*scale_columns)(T* x, int64_t rows, int64_t ld, int64_t cols, const T* factors);
+  // Soft-capped scores, from the scores divided by the cap: x[r * ld + j] =
+  // cap * tanh(x[r * ld + j]) for r < rows, j < cols (any count), cap > 0.
+  // NaN stays NaN, +-inf becomes +-cap.
+  void (*softcap)(T* x, int64_t rows, int64_t ld, int64_t cols, T cap);
   // kBlockAllZero and / or kBlockAllClosed as they hold for the rows x cols
   // entries x[r * ld + c] (NaN is neither); 0 as soon as neither can.
   int (*block_state)(const T* x, int64_t ld, int64_t rows, int64_t cols);

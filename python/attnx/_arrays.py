@@ -249,3 +249,24 @@ def check_out(out, shape: tuple, dtype: np.dtype, inputs) -> np.ndarray:
         if x is not None and np.may_share_memory(out, x):
             raise ValueError("out must not share memory with an input")
     return out
+
+
+# torch.nn.attention.bias.CausalVariant's names, by the alignment they stand for.
+_CAUSAL_VARIANTS = {"UPPER_LEFT": "top_left", "LOWER_RIGHT": "bottom_right"}
+
+
+def causal_bias(obj) -> tuple | None:
+    """(is_causal mode, L, S) of a torch ``CausalBias``; None for anything else.
+
+    ``torch.nn.attention.bias.causal_upper_left(L, S)`` / ``causal_lower_right(L, S)``
+    are recognised by their class, without importing torch: ``np.asarray`` of one gives
+    uninitialised memory of another shape, never its mask.
+    """
+    cls = type(obj)
+    if cls.__name__ != "CausalBias" or not cls.__module__.startswith("torch.nn.attention"):
+        return None
+    variant = getattr(getattr(obj, "variant", None), "name", None)
+    mode = _CAUSAL_VARIANTS.get(variant)
+    if mode is None:
+        raise TypeError(f"attn_mask is a CausalBias of an unknown variant {variant!r}")
+    return mode, int(obj.seq_len_q), int(obj.seq_len_kv)

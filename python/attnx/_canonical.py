@@ -12,6 +12,8 @@ once against torch's rules, and goes back as canonical arrays:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import _core
@@ -40,18 +42,67 @@ _NAN = float("nan")
 
 # The options of the common calls, made once: [is_causal][enable_gqa].
 DEFAULT_SDPA_OPTIONS = tuple(
-    tuple(_core.SdpaOptions(causal, False, _NAN, -1, -1, gqa) for gqa in (False, True))
+    tuple(_core.SdpaOptions(causal, False, _NAN, -1, -1, gqa, 0.0, -1) for gqa in (False, True))
     for causal in (False, True)
 )
 
 
-def sdpa_options(is_causal, scale, enable_gqa, window) -> "_core.SdpaOptions":
+# return_scores= and the stage of the core's scores (ScoreStage).
+SCORE_STAGES = {"qk": 0, "softcapped": 1, "masked": 2, "softmax": 3}
+
+
+def as_softcap(softcap) -> float:
+    """The soft cap as the core takes it: 0.0 for None, else a finite number > 0."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"softcap must be a positive number or None, got {softcap!r}")
+    try:
+        c = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap must be a positive number or None, got {softcap!r}") from None
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(
+            f"softcap must be finite and > 0 (scores become softcap * tanh(scores / softcap)), got {softcap!r}"
+        )
+    return c
+
+
+def score_stage(return_scores) -> int:
+    """The core's stage of a ``return_scores`` argument; -1 for None."""
+    if return_scores is None:
+        return -1
+    stage = SCORE_STAGES.get(return_scores) if isinstance(return_scores, str) else None
+    if stage is None:
+        choices = ", ".join(repr(name) for name in SCORE_STAGES)
+        raise ValueError(f"return_scores must be None or one of {choices}, got {return_scores!r}")
+    return stage
+
+
+def check_dropout(dropout_p, name: str = "dropout_p") -> None:
+    """dropout_p must be 0: attnx computes inference, where dropout is off."""
+    if isinstance(dropout_p, (bool, np.bool_, str)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"{name} must be a number (0.0), got {dropout_p!r}; as in torch, is_causal comes after "
+            f"{name}: sdpa(query, key, value, attn_mask, dropout_p, is_causal)"
+        )
+    if not 0 <= dropout_p <= 1:
+        raise ValueError(f"{name} must be in [0, 1], got {dropout_p!r}")
+    if dropout_p != 0:
+        raise NotImplementedError(
+            f"{name}={dropout_p!r}: attnx is inference only and applies no dropout; pass {name}=0.0"
+        )
+
+
+def sdpa_options(is_causal, scale, enable_gqa, window, softcap=None, return_scores=None) -> "_core.SdpaOptions":
     """The checked scalar arguments of scaled_dot_product_attention."""
     causal, bottom_right = causal_mode(is_causal)
     enable_gqa = as_bool_flag(enable_gqa, "enable_gqa")
     window_left, window_right = window_bounds(window)
     scale = _NAN if scale is None else as_finite_scale(scale)
-    return _core.SdpaOptions(causal, bottom_right, scale, window_left, window_right, enable_gqa)
+    return _core.SdpaOptions(
+        causal, bottom_right, scale, window_left, window_right, enable_gqa, as_softcap(softcap), score_stage(return_scores)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,14 +184,13 @@ def _sdpa_mask(attn_mask, dtype, full_batch, result_shape, nlead):
 def sdpa_call(query, key, value, attn_mask, options, out) -> tuple:
     """The canonical call of ``scaled_dot_product_attention``.
 
-    Returns ``(q, k, v, mask, target, computed, result)``: 4-D operands, the additive mask
-    or None, the (B, Hq, L, Ev) view of ``computed`` the core writes (None for an empty
-    result) and the array returned, which is ``computed`` unless the result has a
-    half-precision dtype and is rounded from it.
+    Returns ``(q, k, v, mask, target, computed, result, scores)``: 4-D operands, the
+    additive mask or None, the (B, Hq, L, Ev) view of ``computed`` the core writes (None
+    when there is nothing to compute) and the array returned, which is ``computed`` unless
+    the result has a half-precision dtype and is rounded from it. ``scores`` is None, or
+    for ``options.scores >= 0`` the same three arrays of the (..., Hq, L, S) scores.
     """
     result_dtype, dtype, q, k, v = _sdpa_operands(query, key, value)
-    if options.causal and attn_mask is not None:
-        raise ValueError("attn_mask and is_causal cannot both be given")
     lead, Hq, Hk, (batch_q, batch_k, batch_v) = _sdpa_batch(q, k, v, options.enable_gqa)
     (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
     full_batch = lead + (Hq,)
@@ -157,12 +207,18 @@ def sdpa_call(query, key, value, attn_mask, options, out) -> tuple:
         out = np.empty(result_shape, result_dtype)
     else:
         check_out(out, result_shape, result_dtype, (q, k, v, attn_mask))
-    if out.size == 0:
-        return q4, k4, v4, mask4, None, out, out
+    scores = None
+    if options.scores >= 0:
+        # The only (L, S) array of the call: the scores are computed in place.
+        scores_result = np.empty(result_shape[:-1] + (S,), result_dtype)
+        scores_computed = scores_result if result_dtype == dtype else np.empty(scores_result.shape, dtype)
+        scores = (scores_computed.reshape(q4.shape[:3] + (S,)), scores_computed, scores_result)
+    if out.size == 0 and (scores is None or scores_result.size == 0):
+        return q4, k4, v4, mask4, None, out, out, scores
     # Half-precision results are computed into a float32 buffer, then rounded.
     computed = out if result_dtype == dtype else np.empty(result_shape, dtype)
     target = computed.reshape(q4.shape[:3] + (Ev,))
-    return kernel_layout(q4), kernel_layout(k4), kernel_layout(v4), mask4, target, computed, out
+    return kernel_layout(q4), kernel_layout(k4), kernel_layout(v4), mask4, target, computed, out, scores
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ class SdpaOptions:
         window_left: int = -1,
         window_right: int = -1,
         enable_gqa: bool = False,
+        softcap: float = 0.0,
+        scores: int = -1,
     ) -> None: ...
     causal: bool
     bottom_right: bool
@@ -23,6 +25,8 @@ class SdpaOptions:
     window_left: int
     window_right: int
     enable_gqa: bool
+    softcap: float
+    scores: int
 
 def sdpa(
     query: object,
@@ -31,7 +35,7 @@ def sdpa(
     attn_mask: object,
     options: SdpaOptions,
     out: object,
-) -> npt.NDArray[np.floating[Any]]: ...
+) -> npt.NDArray[np.floating[Any]] | tuple[npt.NDArray[np.floating[Any]], npt.NDArray[np.floating[Any]]]: ...
 def cached_attention(
     query: npt.NDArray[np.floating[Any]],
     key: npt.NDArray[np.floating[Any]],

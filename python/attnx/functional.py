@@ -9,7 +9,7 @@ core does all the arithmetic with the GIL released.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
@@ -17,13 +17,23 @@ import numpy as np
 # parameter's name up among the keywords, making and interning a string a parameter, and the
 # interpreter's table of interned strings then grows at unpredictable calls.
 from . import _core
-from ._canonical import DEFAULT_SDPA_OPTIONS, check_cache, mha_options, mha_step, mha_weights, sdpa_options
+from ._canonical import (
+    DEFAULT_SDPA_OPTIONS,
+    as_softcap,
+    check_cache,
+    check_dropout,
+    mha_options,
+    mha_step,
+    mha_weights,
+    sdpa_options,
+)
 from ._arrays import (
     as_bool_flag,
     as_lengths,
     as_finite_scale,
     as_float,
     as_positive_int,
+    causal_bias,
     check_out,
     kernel_layout,
     result_and_compute_dtype,
@@ -45,22 +55,62 @@ __all__ = [
 ]
 
 
+@overload
 def scaled_dot_product_attention(
     query: npt.ArrayLike,
     key: npt.ArrayLike,
     value: npt.ArrayLike,
     attn_mask: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
     is_causal: bool | Literal["top_left", "bottom_right"] = False,
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    return_scores: None = None,
     out: FloatArray | None = None,
-) -> FloatArray:
+) -> FloatArray: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    attn_mask: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool | Literal["top_left", "bottom_right"] = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    return_scores: Literal["qk", "softcapped", "masked", "softmax"],
+    out: FloatArray | None = None,
+) -> tuple[FloatArray, FloatArray]: ...
+
+
+def scaled_dot_product_attention(
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    attn_mask: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool | Literal["top_left", "bottom_right"] = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    return_scores: Literal["qk", "softcapped", "masked", "softmax"] | None = None,
+    out: FloatArray | None = None,
+) -> FloatArray | tuple[FloatArray, FloatArray]:
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     Computes ``softmax(query @ key^T * scale + mask) @ value`` without storing
-    the ``L x S`` score matrix.
+    the ``L x S`` score matrix. The positional order is torch's, so
+    ``sdpa(q, k, v, mask, 0.0, True)`` means what it means in torch.
 
     Parameters
     ----------
@@ -76,12 +126,17 @@ def scaled_dot_product_attention(
         in place (never copied) and widened to float32 in the kernels.
     attn_mask : array_like, optional
         Broadcastable to ``(..., Hq, L, S)``. bool: True means the query may
-        attend the key. float: added to the scores.
+        attend the key. float: added to the scores. A torch ``CausalBias``
+        (``causal_upper_left`` / ``causal_lower_right``) means
+        ``is_causal=True`` / ``"bottom_right"``.
+    dropout_p : float, default 0.0
+        Must be 0: attnx computes inference (NotImplementedError otherwise).
     is_causal : {False, True, "top_left", "bottom_right"}, default False
         True or ``"top_left"``: query ``i`` attends key ``j`` iff ``j <= i``
         (as torch). ``"bottom_right"``: iff ``j <= i + S - L``, so that the
         last query row sees every key (queries are the newest ``L`` of ``S``
-        positions). Not allowed together with ``attn_mask``.
+        positions). With ``attn_mask``, both apply: a key must be allowed by
+        each (as torch's CPU sdpa and ONNX's Attention).
     scale : float, optional
         Defaults to ``1 / sqrt(E)``.
     enable_gqa : bool, default False
@@ -95,15 +150,28 @@ def scaled_dot_product_attention(
         ``right`` at 0) and with ``attn_mask`` (a key must be allowed by both).
         Computed without a mask array; blocks of keys outside the window are
         skipped.
+    softcap : float, optional, keyword-only
+        Soft-capped scores: ``softcap * tanh(scores / softcap)``, after the
+        scale and before the masks (so a masked key stays masked), as Gemma 2
+        and ONNX's Attention apply it. Must be finite and > 0.
+    return_scores : {"qk", "softcapped", "masked", "softmax"}, optional, keyword-only
+        Also return the ``(..., Hq, L, S)`` scores, in the query's dtype, taken
+        at one stage: ``"qk"`` is ``scale * query @ key^T``; ``"softcapped"``
+        after the soft cap; ``"masked"`` the softmax's input (the masks added,
+        keys closed by a mask, the causal band or the window ``-inf``);
+        ``"softmax"`` the probabilities (a row with no open key is zeros).
+        The output is the same, to the bit, as without them; the scores are
+        the only ``L x S`` array the call allocates.
     out : ndarray, optional
         C-contiguous array of the result's shape and dtype to write into.
 
     Returns
     -------
-    ndarray, shape (..., Hq, L, Ev)
+    ndarray, shape (..., Hq, L, Ev), or (ndarray, ndarray) with return_scores
         In the query's dtype. A query row with no key to attend (all masked,
         or outside its window or causal range, as the first ``L - S`` rows
         with ``is_causal="bottom_right"`` and ``L > S``) gives zeros, never NaN.
+        With ``return_scores``, ``(output, scores)``.
 
     Examples
     --------
@@ -124,11 +192,43 @@ def scaled_dot_product_attention(
             [1., 2.],
             [2., 3.]]], dtype=float32)
     """
-    if scale is None and window is None and type(is_causal) is bool and type(enable_gqa) is bool:
+    if type(dropout_p) is not float or dropout_p != 0.0:
+        check_dropout(dropout_p)
+    if attn_mask is not None and not isinstance(attn_mask, np.ndarray):
+        attn_mask, is_causal = _causal_bias_as_causal(attn_mask, is_causal, query, key)
+    if (
+        scale is None
+        and window is None
+        and softcap is None
+        and return_scores is None
+        and type(is_causal) is bool
+        and type(enable_gqa) is bool
+    ):
         options = DEFAULT_SDPA_OPTIONS[is_causal][enable_gqa]  # made once, at import
     else:
-        options = sdpa_options(is_causal, scale, enable_gqa, window)
+        options = sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores)
     return _core.sdpa(query, key, value, attn_mask, options, out)
+
+
+def _causal_bias_as_causal(attn_mask: Any, is_causal: Any, query: Any, key: Any) -> tuple[Any, Any]:
+    """(attn_mask, is_causal), with a torch ``CausalBias`` mask read as ``is_causal``.
+
+    A CausalBias converts to an array of the wrong shape and uninitialised values, so it is
+    recognised (without importing torch) and turned into the causal alignment it stands for.
+    """
+    bias = causal_bias(attn_mask)
+    if bias is None:
+        return attn_mask, is_causal
+    mode, L, S = bias
+    if is_causal is not False:
+        raise ValueError("attn_mask is a CausalBias, which is causal already: leave is_causal=False")
+    q_len, k_len = np.shape(query)[-2:], np.shape(key)[-2:]
+    if len(q_len) < 2 or len(k_len) < 2 or (q_len[0], k_len[0]) != (L, S):
+        raise ValueError(
+            f"attn_mask is a CausalBias for L = {L} queries and S = {S} keys, but query has shape "
+            f"{shape_str(np.shape(query))} and key {shape_str(np.shape(key))}"
+        )
+    return None, mode
 
 
 def multi_head_attention_forward(
@@ -292,7 +392,7 @@ def _query_lengths(lengths: npt.ArrayLike | None, batch: int, T: int) -> IntArra
     return as_lengths(lengths, batch, T, "lengths", f"T = {T}, the query's tokens per sequence")
 
 
-def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, out) -> None:
+def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, softcap, out) -> None:
     """The attention of the newest n[b] tokens of each sequence over the cache, into `out`.
 
     `q` (B, Hq, T, E), checked; `out` (B, Hq, T, Ev) C-contiguous, of any float dtype.
@@ -304,7 +404,7 @@ def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, out) -
     dtype = _cache_compute_dtype(cache)
     computed = out if out.dtype == dtype else np.empty(out.shape, dtype)
     key, value, lengths = cache.storage()
-    options = _core.SdpaOptions(True, True, scale, window_left, window_right, True)
+    options = _core.SdpaOptions(True, True, scale, window_left, window_right, True, softcap)
     _core.cached_attention(kernel_layout(as_float(q, dtype, "query")), key, value, lengths, n, options, computed)
     if computed is not out:
         out[...] = computed
@@ -319,6 +419,7 @@ def cached_attention(
     lengths: npt.ArrayLike | None = None,
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
     out: FloatArray | None = None,
 ) -> FloatArray:
     """Attention of the newest tokens of each sequence over a :class:`KVCache`.
@@ -357,6 +458,8 @@ def cached_attention(
     window : tuple (left, right), optional, keyword-only
         Sliding window, as in :func:`scaled_dot_product_attention` (bottom-right
         aligned): query ``t`` attends only keys ``j >= lengths_b - n_b + t - left``.
+    softcap : float, optional, keyword-only
+        Soft-capped scores, as in :func:`scaled_dot_product_attention`.
     out : ndarray, optional, keyword-only
         C-contiguous array of the result's shape and dtype to write into.
 
@@ -400,6 +503,7 @@ def cached_attention(
     n = _query_lengths(lengths, B, T)
     window_left, window_right = window_bounds(window)
     scale = (1.0 / math.sqrt(E)) if scale is None else as_finite_scale(scale)
+    softcap = as_softcap(softcap)
     result_shape = (B, Hq, T, cache.value_dim)
     if out is None:
         out = np.empty(result_shape, result_dtype)
@@ -414,7 +518,7 @@ def cached_attention(
             f"{cache.lengths.tolist()}: the query tokens must be the newest tokens in the cache "
             f"(pass key and value to append them)"
         )
-    _attend_cache(q, cache, n, scale, window_left, window_right, out)
+    _attend_cache(q, cache, n, scale, window_left, window_right, softcap, out)
     return out
 
 

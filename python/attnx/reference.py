@@ -28,7 +28,7 @@ Only NumPy is imported.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -138,21 +138,27 @@ def _causal_bias(tgt_len, src_len, dtype, bottom_right=False, window=None, causa
 # ---------------------------------------------------------------------------------------------
 
 
-def _attention(q, k, v, bias, scale):
+def _attention(q, k, v, bias, scale, softcap=None, stages=None):
     """softmax(scale * q @ k^T + bias) @ v, with attnx's rules for masked keys.
 
     q ``(..., L, E)``, k ``(..., S, E)``, v ``(..., S, Ev)``, bias broadcastable to
-    ``(..., L, S)`` or None. A key is masked for a query row where its bias is -inf.
-    Returns ``(output (..., L, Ev), weights (..., L, S))``.
+    ``(..., L, S)`` or None. A key is masked for a query row where its bias is -inf. With
+    ``softcap``, the scores become ``softcap * tanh(scores / softcap)`` before the bias.
+    Returns ``(output (..., L, Ev), weights (..., L, S))``; a dict ``stages`` receives the
+    scores at each stage ("qk", "softcapped", "masked", "softmax").
     """
     # NaN/Inf in the inputs are meant to propagate; numpy's warnings about them are noise.
     with np.errstate(invalid="ignore", over="ignore"):
-        return _attention_core(q, k, v, bias, scale)
+        return _attention_core(q, k, v, bias, scale, softcap, {} if stages is None else stages)
 
 
-def _attention_core(q, k, v, bias, scale):
+def _attention_core(q, k, v, bias, scale, softcap, stages):
     # Scaling q first (rather than the scores) is what torch does and keeps E = 0 finite.
     scores = np.matmul(q * q.dtype.type(scale), np.swapaxes(k, -1, -2))
+    stages["qk"] = scores
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    stages["softcapped"] = scores
     if bias is None:
         bias = np.zeros((), dtype=scores.dtype)
     allowed = np.broadcast_to(bias != -np.inf, np.broadcast_shapes(scores.shape, bias.shape))
@@ -160,6 +166,7 @@ def _attention_core(q, k, v, bias, scale):
     # Masked keys are replaced by -inf outright, so that a NaN or +inf score of a masked key
     # (from NaN/Inf in its data) cannot leak into the row.
     logits = np.where(allowed, scores + bias, -np.inf)
+    stages["masked"] = logits
 
     # Max-subtracted softmax over the allowed keys. A row with no allowed key (fully masked,
     # or S = 0) would give -inf - -inf = NaN; it is defined to be a zero row instead.
@@ -170,6 +177,7 @@ def _attention_core(q, k, v, bias, scale):
     denom = exps.sum(axis=-1, keepdims=True)
     weights = exps / np.where(any_allowed, denom, 1.0)
     weights = weights.astype(scores.dtype, copy=False)
+    stages["softmax"] = weights
 
     if np.isfinite(v).all():
         output = np.matmul(weights, v)
@@ -191,12 +199,15 @@ def scaled_dot_product_attention(
     key: npt.ArrayLike,
     value: npt.ArrayLike,
     attn_mask: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
     is_causal: bool | Literal["top_left", "bottom_right"] = False,
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
     window: tuple[int | None, int | None] | None = None,
-) -> FloatArray:
+    softcap: float | None = None,
+    return_scores: Literal["qk", "softcapped", "masked", "softmax"] | None = None,
+) -> Any:
     """Reference scaled dot-product attention, as torch's ``scaled_dot_product_attention``.
 
     Parameters
@@ -210,9 +221,11 @@ def scaled_dot_product_attention(
     attn_mask : array_like, optional
         Broadcastable to ``(..., Hq, L, S)``. Bool: True means the query may attend to the
         key. Float: added to the scores (-inf masks the key).
+    dropout_p : float, default 0.0
+        Must be 0.
     is_causal : {False, True, "top_left", "bottom_right"}, default False
         True or "top_left": query i attends key j only if ``j <= i``. "bottom_right": only
-        if ``j <= i + S - L``. Must not be combined with ``attn_mask``.
+        if ``j <= i + S - L``. Combined with ``attn_mask``: both apply.
     scale : float, optional
         Multiplies ``query @ key^T``; default ``1 / sqrt(E)``.
     enable_gqa : bool, default False
@@ -222,10 +235,15 @@ def scaled_dot_product_attention(
         Query i attends key j only if ``i + d - left <= j <= i + d + right``, with
         ``d = S - L`` for ``is_causal="bottom_right"`` and 0 otherwise; a side that is None
         is unbounded. Combined with ``is_causal`` and ``attn_mask`` (all must allow a key).
+    softcap : float, optional, keyword-only
+        Scores become ``softcap * tanh(scores / softcap)`` after the scale, before any mask.
+    return_scores : {"qk", "softcapped", "masked", "softmax"}, optional, keyword-only
+        Also return the ``(..., Hq, L, S)`` scores at that stage: ``scale * q @ k^T``, after
+        the soft cap, the softmax's input (closed keys -inf) or the probabilities.
 
     Returns
     -------
-    ndarray, shape ``(..., Hq, L, Ev)``
+    ndarray, shape ``(..., Hq, L, Ev)``, or ``(output, scores)`` with ``return_scores``
         The attention output. A query row with no key to attend to is all zeros.
 
     Raises
@@ -233,8 +251,10 @@ def scaled_dot_product_attention(
     TypeError
         Integer, bool or complex inputs; masks that are neither bool nor float.
     ValueError
-        Mismatched shapes, ``is_causal`` together with ``attn_mask``, a non-finite
-        ``scale``, or a bad grouped-query head count.
+        Mismatched shapes, a non-finite ``scale`` or ``softcap`` <= 0, an unknown
+        ``return_scores``, or a bad grouped-query head count.
+    NotImplementedError
+        ``dropout_p`` other than 0.
 
     Examples
     --------
@@ -277,8 +297,12 @@ def scaled_dot_product_attention(
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"key {k.shape} and value {v.shape} differ in sequence length")
     causal, bottom_right = _causal_alignment(is_causal)
-    if causal and attn_mask is not None:
-        raise ValueError("attn_mask and is_causal=True cannot be used together")
+    if dropout_p != 0:
+        raise NotImplementedError(f"dropout_p={dropout_p!r}: inference only, pass 0.0")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0, got {softcap!r}")
+    if return_scores not in (None, "qk", "softcapped", "masked", "softmax"):
+        raise ValueError(f"unknown return_scores {return_scores!r}")
 
     if enable_gqa and q.ndim >= 3 and k.ndim >= 3 and v.ndim >= 3:
         q_heads, kv_heads = q.shape[-3], k.shape[-3]
@@ -326,8 +350,12 @@ def scaled_dot_product_attention(
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
 
-    output, _ = _attention(q, k, v, bias, scale)
-    return output
+    stages = {}
+    output, _ = _attention(q, k, v, bias, scale, softcap, stages)
+    if return_scores is None:
+        return output
+    scores = np.broadcast_to(stages[return_scores], scores_shape)
+    return output, np.ascontiguousarray(scores, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,6 +683,7 @@ def cached_attention(
     query_lengths: npt.ArrayLike | None = None,
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
 ) -> FloatArray:
     """Reference attention of each sequence's newest tokens over its cached keys.
 
@@ -681,6 +710,8 @@ def cached_attention(
         Default ``1 / sqrt(E)``.
     window : tuple (left, right), optional
         As in :func:`scaled_dot_product_attention` (bottom-right aligned).
+    softcap : float, optional
+        As in :func:`scaled_dot_product_attention`.
 
     Returns
     -------
@@ -733,6 +764,6 @@ def cached_attention(
         n, m = int(query_lengths[b]), int(key_lengths[b])
         output[b, :, :n] = scaled_dot_product_attention(
             q[b, :, :n], k[b, :, :m], v[b, :, :m], is_causal="bottom_right", scale=scale,
-            enable_gqa=True, window=window,
+            enable_gqa=True, window=window, softcap=softcap,
         )
     return output

@@ -71,6 +71,15 @@ struct SdpaArgs {
   int64_t mask_cols = 0;
   KeyRange range;
   T scale = 1;
+  // Soft-capped scores where > 0: s = softcap * tanh(s / softcap) after the
+  // scale and before the masks and the key range, so a closed key stays closed.
+  T softcap = 0;
+  // What the queries are multiplied by: the scale, divided by the soft cap
+  // where there is one (the kernels' softcap takes s / softcap, saving a
+  // multiplication per score).
+  T query_scale() const {
+    return softcap > 0 ? static_cast<T>(double(scale) / double(softcap)) : scale;
+  }
   StridedView<T, 4> out;  // (B, Hq, L, Ev), last dim contiguous
   // Optional attention probabilities, C-contiguous (B, Hq, L, S).
   T* weights = nullptr;
@@ -78,6 +87,20 @@ struct SdpaArgs {
 
 template <typename T>
 void sdpa_forward(const SdpaArgs<T>& args);
+
+// The scores of scaled dot-product attention, taken at one stage on their
+// way to the probabilities:
+//   kQk          scale * Q K^T
+//   kSoftcapped  after the soft cap (kQk without one)
+//   kMasked      after the masks and the key range: the softmax's input,
+//                closed entries -inf, the float masks added
+//   kSoftmax     the probabilities; a row with no open key is zeros
+// into `scores`, C-contiguous (B, Hq, L, S). The args' out is not written,
+// and they hold no key or query lengths.
+enum class ScoreStage : uint8_t { kQk, kSoftcapped, kMasked, kSoftmax };
+
+template <typename T>
+void sdpa_scores(const SdpaArgs<T>& args, ScoreStage stage, T* scores);
 
 // The parameters of multi-head attention, as torch's module holds them.
 template <typename T>

@@ -46,6 +46,7 @@ struct Kernels {
                      Softmax::row_max,
                      Arrays::scale,
                      Arrays::scale_columns,
+                     Arrays::softcap,
                      Arrays::block_state,
                      Arrays::all_finite,
                      Rows::dot_rows,

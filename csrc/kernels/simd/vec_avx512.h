@@ -9,6 +9,7 @@
 
 #include "kernels/simd/hold_register.h"
 #include "kernels/simd/vec_exp.h"
+#include "kernels/simd/vec_tanh.h"
 
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
@@ -129,6 +130,8 @@ struct Avx512F32 {
   // p 2^n by vscalefps, in the lanes of keep.
   static V scale_where(Mask keep, V p, V n) { return _mm512_maskz_scalef_ps(keep, p, n); }
   static V exp(V x) { return vector_exp<Avx512F32>(x); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V tanh_times(V y, T c) { return vector_tanh_times_f32<Avx512F32>(y, c); }
   static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx512F32>(x); }
   // In-register transpose of 16 rows of 16: r[i][j] <- r[j][i].
   static void transpose(V (&r)[16]) {
@@ -231,6 +234,7 @@ struct Avx512F64 {
   }
   static V scale_where(Mask keep, V p, V n) { return _mm512_maskz_scalef_pd(keep, p, n); }
   static V exp(V x) { return vector_exp<Avx512F64>(x); }
+  static V tanh_times(V y, T c) { return lanewise_tanh_times<Avx512F64>(y, c); }
   static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx512F64>(x); }
   // In-register transpose of 8 rows of 8.
   static void transpose(V (&r)[8]) {

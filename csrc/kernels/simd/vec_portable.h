@@ -158,6 +158,10 @@ struct Portable {
     return map([&](int i) { return std::exp2(x.lane[i]); });
   }
   static V exp2_nonpositive(V x) { return exp2(x); }
+  // c tanh(x)
+  static V tanh_times(V x, T c) {
+    return map([&](int i) { return c * std::tanh(x.lane[i]); });
+  }
   static void transpose(V (&r)[W]) {
     for (int i = 0; i < W; ++i)
       for (int j = i + 1; j < W; ++j) {
