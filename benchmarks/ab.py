@@ -6,6 +6,8 @@ Usage (each of --before / --after is a Python interpreter, or a virtualenv, with
     python benchmarks/ab.py --before /path/to/venv-a/bin/python --after /path/to/venv-b/bin/python \\
         --threads 2 1 --rounds 10 [--shapes 1 tiny mha-e768] [--json out.json]
 
+    python benchmarks/ab.py --before .venv --after .venv --after-softcap 30   # the soft cap's cost
+
 The driver (this script) needs only NumPy; it may run under either interpreter.
 
 Method
@@ -89,13 +91,14 @@ class WorkerState:
         shape = compare.select_shapes([req["shape"]])[0]
         t0 = time.perf_counter()
         data = compare.make_inputs(shape)
-        bench = compare.setup_attnx(shape, data, self.threads)
+        softcap = req.get("softcap")
+        bench = compare.setup_attnx(shape, data, self.threads, softcap)
         out = {"ok": True, "note": bench.note}
         if req.get("check"):
             import numpy as np
 
             got = np.ascontiguousarray(bench.to_numpy(bench.run()))
-            out["check"] = compare.check_output(got, compare.reference_output(shape, data))
+            out["check"] = compare.check_output(got, compare.reference_output(shape, data, softcap))
             out["output_sha256"] = hashlib.sha256(got.tobytes()).hexdigest()
         out["calls"] = compare.calibrate(bench.run, req["block_seconds"])
         out["setup_s"] = time.perf_counter() - t0
@@ -310,7 +313,7 @@ def run(opts) -> dict:
         infos = {b: workers[b, opts.threads[0]].info for b in BUILDS}
         for b in BUILDS:
             log(describe_build(b, infos[b]))
-        if infos["before"]["attnx_file"] == infos["after"]["attnx_file"]:
+        if infos["before"]["attnx_file"] == infos["after"]["attnx_file"] and opts.after_softcap is None:
             log("note: both builds import the same attnx files (an A/A run: the ratios show the noise)")
 
         # Set-up: inputs, checks and the calls per block, per shape and thread count.
@@ -319,7 +322,9 @@ def run(opts) -> dict:
             for i, threads in enumerate(opts.threads):
                 log(f"setting up {shape.name}, {threads} thread(s) ...")
                 setups = {b: workers[b, threads].request("setup", shape=shape.name, check=(i == 0),
-                                                         block_seconds=opts.block_seconds) for b in BUILDS}
+                                                         block_seconds=opts.block_seconds,
+                                                         softcap=opts.after_softcap if b == "after" else None)
+                          for b in BUILDS}
                 case = {"shape": {"name": shape.name, "label": shape.label}, "threads": threads,
                         "calls_per_block": min(s["calls"] for s in setups.values()),
                         "notes": {b: setups[b]["note"] for b in BUILDS}, "blocks": []}
@@ -423,6 +428,9 @@ def parse_args(argv=None):
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                    help="first wait up to SECONDS for other processes to leave the CPUs idle")
     p.add_argument("--json", metavar="PATH", help="write the builds, the machine and every block time as JSON")
+    p.add_argument("--after-softcap", type=float, metavar="C",
+                   help="the after build's sdpa calls soft-cap their scores at C (with --after the same "
+                        "interpreter as --before: the soft cap's cost, per round)")
     p.add_argument(WORKER_FLAG, type=int, metavar="N", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     if opts.worker is None:

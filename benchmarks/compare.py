@@ -261,10 +261,13 @@ def causal_additive_mask(L: int, S: int, dtype) -> np.ndarray:
     return mask
 
 
-def numpy_sdpa(q, k, v, mask=None):
-    """softmax(q @ k^T * scale + mask) @ v with matmul; normalises after the second matmul."""
+def numpy_sdpa(q, k, v, mask=None, softcap=None):
+    """softmax(q @ k^T * scale + mask) @ v with matmul; normalises after the second matmul.
+    With softcap, the scores are softcap * tanh(scores / softcap) before the mask."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = np.matmul(q * q.dtype.type(scale), np.swapaxes(k, -1, -2))
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
     if mask is not None:
         scores += mask
     scores -= scores.max(axis=-1, keepdims=True)
@@ -289,12 +292,12 @@ def numpy_mha(x, w_in, b_in, w_out, b_out, num_heads, mask=None):
     return out
 
 
-def reference_output(shape: Shape, data: dict[str, np.ndarray]) -> np.ndarray:
-    """The float64 NumPy result every library is checked against."""
+def reference_output(shape: Shape, data: dict[str, np.ndarray], softcap: float | None = None) -> np.ndarray:
+    """The float64 NumPy result every library is checked against (the soft cap: sdpa only)."""
     d64 = {name: a.astype(np.float64) for name, a in data.items()}
     mask = causal_additive_mask(shape.L, shape.S, np.float64) if shape.causal else None
     if shape.kind == "sdpa":
-        return numpy_sdpa(d64["q"], d64["k"], d64["v"], mask)
+        return numpy_sdpa(d64["q"], d64["k"], d64["v"], mask, softcap)
     return numpy_mha(d64["x"], d64["w_in"], d64["b_in"], d64["w_out"], d64["b_out"], shape.H, mask)
 
 
@@ -324,16 +327,19 @@ def import_optional(name: str):
         raise NotInstalled(str(exc)) from None
 
 
-def setup_attnx(shape: Shape, data, threads: int) -> Bench:
+def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None) -> Bench:
+    """attnx's call of a shape; with `softcap`, the sdpa shapes soft-cap their scores (ab.py's
+    --after-softcap), and the multi-head ones, which have no soft cap, run as they are."""
     import attnx
 
     attnx.set_num_threads(threads)
     if shape.kind == "sdpa":
         q, k, v = data["q"], data["k"], data["v"]
+        extra = {} if softcap is None else {"softcap": softcap}
         if shape.mask_given:
             mask = causal_additive_mask(shape.L, shape.S, np.float32)
-            return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-        return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=shape.causal))
+            return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra))
+        return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **extra))
     x = data["x"]
     module_cls = getattr(attnx, "MultiheadAttention", None)
     if module_cls is not None:
