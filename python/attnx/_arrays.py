@@ -24,6 +24,157 @@ def shape_str(shape) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
+# ---------------------------------------------------------------------------------------------
+# Faithful conversion of array-likes
+# ---------------------------------------------------------------------------------------------
+
+# The torch classes whose values ``.detach().numpy()`` reads as they are, named by
+# (module, class name): torch is never imported here. Subclasses of torch.Tensor are not among
+# them: their array conversion need not give their values (torch's CausalBias converts to
+# uninitialised memory of another shape), so they raise TypeError instead.
+_PLAIN_TENSOR_CLASSES = frozenset({("torch", "Tensor"), ("torch.nn.parameter", "Parameter")})
+_TENSOR_BASES = frozenset({("torch", "Tensor"), ("torch._C", "TensorBase"), ("torch._C", "_TensorBase")})
+
+
+def _is_torch_tensor(cls: type) -> bool:
+    """Whether `cls` is torch.Tensor or a subclass of it, told by name (torch is not imported)."""
+    return any((c.__module__, c.__name__) in _TENSOR_BASES for c in cls.__mro__)
+
+
+def _from_torch(x, name: str) -> np.ndarray:
+    """A CPU torch tensor's values as a NumPy array (a view where torch allows one).
+
+    As ``x.detach().cpu().numpy()`` for a dense tensor on the CPU; bfloat16 becomes
+    ml_dtypes' bfloat16. Anything else (tensor subclasses, other devices and layouts,
+    quantized or nested tensors) raises TypeError naming the argument.
+    """
+    cls = type(x)
+    if (cls.__module__, cls.__name__) not in _PLAIN_TENSOR_CLASSES:
+        hint = "pass a plain tensor or a NumPy array"
+        if cls.__name__ == "CausalBias":
+            hint = (
+                "pass is_causal='top_left' (causal_upper_left) or is_causal='bottom_right' "
+                "(causal_lower_right) instead"
+            )
+        raise TypeError(
+            f"{name} is a {cls.__module__}.{cls.__qualname__}, a subclass of torch.Tensor whose array "
+            f"conversion does not give its values: {hint}"
+        )
+    device = str(x.device)
+    if not device.startswith("cpu"):
+        raise TypeError(f"{name} is a tensor on device {device}; attnx computes on the CPU: pass {name}.cpu()")
+    if x.is_nested:  # (strided by its layout, but without one shape)
+        raise TypeError(f"{name} is a nested tensor: pass a dense one (e.g. {name}.to_padded_tensor(0.0))")
+    layout = str(x.layout)
+    if layout != "torch.strided":
+        kind = layout.replace("torch.", "")
+        raise TypeError(
+            f"{name} is a {kind} tensor of shape {shape_str(x.shape)}: pass a dense one (e.g. {name}.to_dense())"
+        )
+    t = x.detach()
+    if str(t.dtype) == "torch.bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(
+                f"{name} is a bfloat16 tensor, which NumPy reads only with the ml_dtypes package: "
+                f"pip install ml_dtypes, or pass {name}.float()"
+            ) from None
+        # Widening to float32 and rounding back is exact: the values are bfloat16's.
+        t = t.float()
+        try:
+            return t.numpy().astype(ml_dtypes.bfloat16)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the argument named
+            raise TypeError(f"{name}: could not read the tensor as a NumPy array: {exc}") from None
+    try:
+        return t.numpy()
+    except Exception as exc:  # noqa: BLE001 - re-raised with the argument named
+        raise TypeError(f"{name}: could not read the {t.dtype} tensor as a NumPy array: {exc}") from None
+
+
+def as_array(x, name: str) -> np.ndarray:
+    """`x` as a NumPy array that holds its values, or TypeError naming `name`.
+
+    NumPy arrays are returned as they are (subclasses as base-class views). torch
+    tensors are read without importing torch, as ``x.detach().cpu().numpy()``: a
+    tensor that requires grad is read as its detached values, a tensor subclass raises
+    TypeError. Other objects that require grad and have ``detach()`` (tensors of other
+    libraries) are detached first. Everything else goes through ``np.asarray``, whose
+    result must be an array of numbers of the object's own ``shape``: an object array
+    (a ragged list, an object NumPy does not know) or a conversion of another shape
+    raises TypeError, never a computation on what it returned.
+    """
+    if isinstance(x, np.ndarray):
+        return x if type(x) is np.ndarray else np.asarray(x)
+    cls = type(x)
+    if _is_torch_tensor(cls):
+        return _from_torch(x, name)
+    if str(getattr(cls, "__module__", "")).partition(".")[0] == "torch" and not isinstance(x, (tuple, list)):
+        raise TypeError(f"{name} is a {cls.__module__}.{cls.__qualname__}, not an array or a tensor")
+    source = x
+    if getattr(x, "requires_grad", False) is True and callable(getattr(x, "detach", None)):
+        x = x.detach()
+        if not hasattr(x, "__array__") and callable(getattr(x, "numpy", None)):
+            x = x.numpy()
+    a = np.asarray(x)
+    if a.dtype == object:
+        raise TypeError(
+            f"{name} is not an array of numbers: np.asarray of the {cls.__name__} gives an array of Python "
+            f"objects (shape {shape_str(a.shape)}); pass a NumPy array of floats"
+        )
+    shape = getattr(source, "shape", None)
+    if shape is not None and not isinstance(shape, (int, float)):
+        try:
+            claimed = tuple(operator.index(d) for d in shape)
+        except (TypeError, ValueError):  # not a sequence of ints (unknown sizes): nothing to compare
+            claimed = a.shape
+        if claimed != a.shape:
+            raise TypeError(
+                f"{name} is a {cls.__name__} of shape {shape_str(claimed)} whose array conversion gives shape "
+                f"{shape_str(a.shape)}: not its values; pass a NumPy array"
+            )
+    return a
+
+
+# torch's CausalVariant names -> the is_causal mode that means the same.
+_CAUSAL_VARIANTS = {"UPPER_LEFT": "top_left", "LOWER_RIGHT": "bottom_right"}
+
+
+def causal_bias(obj, name: str = "attn_mask"):
+    """``(mode, L, S)`` of a torch ``CausalBias`` mask, None for anything else.
+
+    ``torch.nn.attention.bias.causal_upper_left(L, S)`` gives ``("top_left", L, S)``
+    and ``causal_lower_right(L, S)`` gives ``("bottom_right", L, S)``: the
+    ``is_causal`` modes that mean the same. The object is recognised by its class's
+    name and module (torch is not imported) and read from its attributes
+    ``variant`` (a ``CausalVariant`` whose name is ``UPPER_LEFT`` or
+    ``LOWER_RIGHT``), ``seq_len_q`` and ``seq_len_kv``: its array conversion is not
+    its mask.
+    """
+    if isinstance(obj, np.ndarray) or obj is None:
+        return None
+    if not any(c.__name__ == "CausalBias" and c.__module__.partition(".")[0] == "torch" for c in type(obj).__mro__):
+        return None
+    variant = getattr(getattr(obj, "variant", None), "name", None)
+    mode = _CAUSAL_VARIANTS.get(variant) if isinstance(variant, str) else None
+    if mode is None:
+        raise TypeError(
+            f"{name} is a CausalBias of variant {getattr(obj, 'variant', None)!r}; attnx reads UPPER_LEFT "
+            f"(is_causal='top_left') and LOWER_RIGHT (is_causal='bottom_right')"
+        )
+    lengths = []
+    for attr in ("seq_len_q", "seq_len_kv"):
+        value = getattr(obj, attr, None)
+        try:
+            n = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} is a CausalBias whose {attr} is {value!r}, not an int") from None
+        if n < 0:
+            raise ValueError(f"{name} is a CausalBias whose {attr} is {n} < 0")
+        lengths.append(n)
+    return mode, lengths[0], lengths[1]
+
+
 def is_half(dtype) -> bool:
     """Whether `dtype` is float16 or ml_dtypes' bfloat16 (any byte order)."""
     dtype = np.dtype(dtype)
@@ -43,7 +194,7 @@ def result_and_compute_dtype(query, name: str = "query") -> tuple:
     storage dtypes, computed in float32 and returned in their own dtype.
     Other floating dtypes (longdouble) and non-floating ones raise TypeError.
     """
-    dtype = np.asarray(query).dtype
+    dtype = (query if type(query) is np.ndarray else as_array(query, name)).dtype
     if dtype.type in COMPUTE_DTYPES:
         native = np.dtype(dtype.type)
         return native, native
@@ -71,7 +222,7 @@ def as_float(x, dtype: np.dtype, name: str, keep_half: bool = False) -> np.ndarr
     bfloat16 array in native byte order is returned as it is: the kernels read
     half-precision keys and values in place and widen them to float32.
     """
-    a = np.asarray(x)
+    a = x if type(x) is np.ndarray else as_array(x, name)
     if not is_floating(a.dtype):
         raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
     if keep_half and dtype == np.float32 and is_half(a.dtype):
@@ -111,7 +262,7 @@ def additive_mask(mask, dtype: np.dtype, name: str, true_means_masked: bool) -> 
     torch's sdpa reads True as "may attend"; its multi-head attention reads
     True as "masked". A float mask is added to the scores as it is.
     """
-    m = np.asarray(mask)
+    m = mask if type(mask) is np.ndarray else as_array(mask, name)
     if m.dtype == np.bool_:
         closed = m if true_means_masked else ~m
         uint, neg_inf_bits = _NEG_INF_BITS[dtype.itemsize]
@@ -185,7 +336,7 @@ def as_lengths(lengths, count: int, upper: int, name: str, what: str) -> np.ndar
 
     `what` says what the upper bound is, for the error message (e.g. "T = 4, the query's length").
     """
-    a = np.asarray(lengths)
+    a = as_array(lengths, name)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an array of integers, got dtype {a.dtype}")
     if a.shape != (count,):
@@ -250,23 +401,3 @@ def check_out(out, shape: tuple, dtype: np.dtype, inputs) -> np.ndarray:
             raise ValueError("out must not share memory with an input")
     return out
 
-
-# torch.nn.attention.bias.CausalVariant's names, by the alignment they stand for.
-_CAUSAL_VARIANTS = {"UPPER_LEFT": "top_left", "LOWER_RIGHT": "bottom_right"}
-
-
-def causal_bias(obj) -> tuple | None:
-    """(is_causal mode, L, S) of a torch ``CausalBias``; None for anything else.
-
-    ``torch.nn.attention.bias.causal_upper_left(L, S)`` / ``causal_lower_right(L, S)``
-    are recognised by their class, without importing torch: ``np.asarray`` of one gives
-    uninitialised memory of another shape, never its mask.
-    """
-    cls = type(obj)
-    if cls.__name__ != "CausalBias" or not cls.__module__.startswith("torch.nn.attention"):
-        return None
-    variant = getattr(getattr(obj, "variant", None), "name", None)
-    mode = _CAUSAL_VARIANTS.get(variant)
-    if mode is None:
-        raise TypeError(f"attn_mask is a CausalBias of an unknown variant {variant!r}")
-    return mode, int(obj.seq_len_q), int(obj.seq_len_kv)
