@@ -51,6 +51,18 @@ def module() -> None:
     assert first.shape == (2, 5, 16) and second.shape == (2, 1, 16)
     assert cache.lengths.tolist() == [6, 5]
 
+    # torch's constructor order, modes and parameter views.
+    torch_like = attnx.MultiheadAttention(16, 4, 0.1, True, False, False, None, None, True, "cpu", None, seed=1)
+    same: attnx.MultiheadAttention = torch_like.eval()
+    assert same is torch_like and not torch_like.training and torch_like.dropout == 0.1
+    names: List[str] = [name for name, _ in torch_like.named_parameters(prefix="attn")]
+    sizes = sum(p.size for p in torch_like.parameters(recurse=False))
+    assert names[0] == "attn.in_proj_weight" and sizes == 48 * 16 + 48
+    torch_like.out_proj.weight = np.eye(16, dtype=np.float32)
+    bias: Optional[npt.NDArray[np.floating[Any]]] = torch_like.out_proj.bias
+    assert torch_like.out_proj_weight is torch_like.out_proj.weight and bias is not None
+    assert torch_like.train().training and torch_like.train(False) is torch_like
+
 
 def decode() -> None:
     cache = attnx.KVCache(2, 2, 64, 8, dtype=np.float16, value_dim=8)

@@ -8,7 +8,7 @@ subscriptable.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -19,3 +19,20 @@ FloatArray = npt.NDArray[np.floating[Any]]
 
 #: The int64 lengths of a KVCache.
 IntArray = npt.NDArray[np.int64]
+
+
+class TorchDType(Protocol):
+    """A ``torch.dtype`` (``torch.float64``, ...), which attnx reads by its name."""
+
+    @property
+    def is_floating_point(self) -> bool: ...
+
+    @property
+    def itemsize(self) -> int: ...
+
+
+class TorchDevice(Protocol):
+    """A ``torch.device``, which attnx reads by its name (only ``"cpu"`` is accepted)."""
+
+    @property
+    def type(self) -> str: ...

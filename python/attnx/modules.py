@@ -6,27 +6,30 @@ writes PyTorch's state_dict keys, and computes its forward pass with
 :func:`attnx.functional.multi_head_attention_forward`. It never imports torch:
 a torch module or state_dict is read through the tensors' own methods.
 
-It is an inference module: there is no dropout and no training mode, and its
-outputs are those of the torch module in ``eval()`` mode.
+It is an inference module: its outputs are those of the torch module in
+``eval()`` mode. It takes torch's constructor arguments in torch's order and keeps
+``dropout`` and the ``training`` flag (``eval()``, ``train()``) as torch does, so
+that code written for torch runs unchanged; a call that torch would compute with
+dropout (training mode and ``dropout > 0``) raises NotImplementedError instead.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping, NamedTuple
 
 import numpy as np
 
 from . import _core
 
-from ._arrays import as_bool_flag, as_positive_int, check_heads, is_floating, shape_str
+from ._arrays import as_array, as_bool_flag, as_positive_int, check_heads, is_floating, shape_str
 from .cache import KVCache, _storage_dtype
 from ._canonical import mha_options, mha_step, mha_weights
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import FloatArray
+    from ._typing import FloatArray, TorchDevice, TorchDType
 
 __all__ = ["MultiheadAttention"]
 
@@ -46,12 +49,66 @@ class LoadStateDictResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def _module_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
-    """The module's parameter dtype: float32, float64, float16 or bfloat16 (ml_dtypes)."""
+# torch's floating dtypes by name (str(torch.float64) == "torch.float64"; torch.double and
+# torch.half are the same objects as torch.float64 and torch.float16): torch is never imported.
+_TORCH_DTYPES = {
+    "torch.float32": "float32",
+    "torch.float64": "float64",
+    "torch.float16": "float16",
+    "torch.bfloat16": "bfloat16",
+}
+
+
+def _module_dtype(dtype: npt.DTypeLike | TorchDType | None) -> np.dtype[Any]:
+    """The module's parameter dtype: float32, float64, float16 or bfloat16 (ml_dtypes).
+
+    None is float32 (torch's default); NumPy dtypes, their names and torch's dtypes
+    (``torch.float64``, or the name ``"torch.float64"``) are read.
+    """
+    if dtype is None:
+        return np.dtype(np.float32)
+    given = dtype
+    if isinstance(dtype, str) or not isinstance(dtype, (np.dtype, type)):
+        name = str(dtype)
+        if name.startswith("torch."):
+            if name not in _TORCH_DTYPES:
+                raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {name}")
+            dtype = _TORCH_DTYPES[name]
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return _storage_dtype(dtype)  # its own message where ml_dtypes is missing
     try:
-        return _storage_dtype(dtype)
+        return _storage_dtype(dtype)  # type: ignore[arg-type]  # a torch dtype was mapped to its name above
     except TypeError:
-        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype!r}") from None
+        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {given!r}") from None
+
+
+def _check_device(device: str | TorchDevice | None) -> None:
+    """ValueError unless `device` is None or the CPU ("cpu", "cpu:0", torch.device("cpu"))."""
+    if device is None:
+        return
+    name = device if isinstance(device, str) else str(device)
+    if name == "cpu" or (name.startswith("cpu:") and name[4:].isdigit()):
+        return
+    raise ValueError(f"device must be None or 'cpu' (attnx computes on the CPU), got {device!r}")
+
+
+def _dropout_probability(p: float) -> float:
+    """`p` as a float in [0, 1]: TypeError for non-numbers (bools included), ValueError outside."""
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"dropout must be a probability, a float in [0, 1], got {p!r}")
+    value = float(p)
+    if not 0.0 <= value <= 1.0:  # also NaN
+        raise ValueError(f"dropout must be a probability in [0, 1], got {value}")
+    return value
+
+
+# Attributes that are not parameters: setting them keeps the module's checked weights.
+_MODE_ATTRIBUTES = frozenset({"training", "dropout"})
+
+_DROPOUT_MESSAGE = (
+    "MultiheadAttention with dropout={dropout} in training mode: attnx is an inference library: "
+    "call .eval() or use dropout=0.0"
+)
 
 
 def _to_numpy(value: Any, key: str) -> np.ndarray[Any, Any]:
@@ -79,12 +136,72 @@ def _to_numpy(value: Any, key: str) -> np.ndarray[Any, Any]:
         raise TypeError(f"state_dict[{key!r}]: could not convert {type(value).__name__} to a NumPy array: {exc}") from exc
 
 
+class OutProj:
+    """``MultiheadAttention.out_proj``: torch's output projection as a view of the module.
+
+    ``weight`` and ``bias`` are the module's ``out_proj_weight`` and
+    ``out_proj_bias`` themselves (the same arrays); assigning them assigns the
+    module's, so ``m.out_proj.weight = w`` is ``m.out_proj_weight = w``.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> m = attnx.MultiheadAttention(8, 2, seed=0)
+    >>> m.out_proj
+    OutProj(in_features=8, out_features=8, bias=True)
+    >>> m.out_proj.weight is m.out_proj_weight
+    True
+    >>> m.out_proj.bias = np.ones(8, np.float32)
+    >>> m.out_proj_bias
+    array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
+    """
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: MultiheadAttention) -> None:
+        self._module = module
+
+    @property
+    def weight(self) -> FloatArray:
+        """The module's ``out_proj_weight``, shape ``(E, E)``."""
+        return self._module.out_proj_weight
+
+    @weight.setter
+    def weight(self, value: FloatArray) -> None:
+        self._module.out_proj_weight = value
+
+    @property
+    def bias(self) -> FloatArray | None:
+        """The module's ``out_proj_bias``, shape ``(E,)``, or None without bias."""
+        return self._module.out_proj_bias
+
+    @bias.setter
+    def bias(self, value: FloatArray | None) -> None:
+        self._module.out_proj_bias = value
+
+    @property
+    def in_features(self) -> int:
+        return int(np.shape(self._module.out_proj_weight)[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(np.shape(self._module.out_proj_weight)[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"OutProj(in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None})"
+        )
+
+
 class MultiheadAttention:
     """Multi-head attention with the parameters and semantics of ``torch.nn.MultiheadAttention``.
 
     Computes ``out_proj(concat_h(softmax(q_h k_h^T / sqrt(head_dim) + mask) v_h))``
     with ``q, k, v`` the input projections of ``query``, ``key`` and ``value``.
     It behaves as the torch module in ``eval()`` mode (inference: no dropout).
+    The constructor takes torch's arguments in torch's order, so
+    ``MultiheadAttention(E, H, 0.0, False)`` means what it means in torch.
 
     Parameters
     ----------
@@ -92,6 +209,11 @@ class MultiheadAttention:
         Width ``E`` of the query and of the output.
     num_heads : int
         Number of heads; must divide ``embed_dim``.
+    dropout : float, default 0.0
+        torch's attention dropout probability, in ``[0, 1]``. It is kept (and
+        copied by :meth:`from_torch`) but never applied: a call in training
+        mode (see :meth:`train`) with ``dropout > 0`` raises
+        NotImplementedError; in ``eval()`` mode it is ignored, as in torch.
     bias : bool, default True
         Add ``in_proj_bias`` and ``out_proj_bias`` to the projections.
     add_bias_kv : bool, default False
@@ -105,14 +227,20 @@ class MultiheadAttention:
         ``in_proj_weight`` is None (as torch).
     batch_first : bool, default False
         Inputs and output are ``(N, L, E)`` instead of ``(L, N, E)``.
-    dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, default numpy.float32
+    device : {None, "cpu"}, default None
+        As torch's argument: None, ``"cpu"`` or ``torch.device("cpu")``;
+        any other device raises ValueError (attnx computes on the CPU).
+    dtype : {None, numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, default None
         Dtype of the parameters, of the inputs (floating inputs are converted
-        to it) and of the results. float32 and float64 are also the compute
-        dtype; float16 and bfloat16 (``ml_dtypes.bfloat16``, or the string
-        ``"bfloat16"`` with ml_dtypes installed) are storage dtypes, computed
-        in float32.
+        to it) and of the results; None is float32, as torch's default.
+        NumPy dtypes, their names and torch's dtypes (``torch.float64``, read
+        by name: torch is not imported) are accepted. float32 and float64 are
+        also the compute dtype; float16 and bfloat16 (``ml_dtypes.bfloat16``,
+        or the string ``"bfloat16"`` with ml_dtypes installed) are storage
+        dtypes, computed in float32.
     seed : int, numpy.random.Generator or None, default None
-        Seed of ``np.random.default_rng`` for the initial parameters.
+        Keyword-only. Seed of ``np.random.default_rng`` for the initial
+        parameters.
 
     Attributes
     ----------
@@ -125,6 +253,14 @@ class MultiheadAttention:
     bias_k, bias_v : ndarray, shape (1, 1, E), or None
     out_proj_weight : ndarray, shape (E, E)
     out_proj_bias : ndarray, shape (E,), or None
+    out_proj : OutProj
+        torch's ``out_proj``: ``out_proj.weight`` and ``out_proj.bias`` are
+        ``out_proj_weight`` and ``out_proj_bias`` (the same arrays).
+    dropout : float
+        As given; applied never (see ``dropout`` above).
+    training : bool
+        True after construction (as torch's modules); :meth:`eval` and
+        :meth:`train` set it.
 
     Notes
     -----
@@ -144,6 +280,19 @@ class MultiheadAttention:
     >>> out, weights = mha(x, x, x)
     >>> out.shape, weights.shape
     ((2, 5, 16), (2, 5, 5))
+
+    torch's positional order and its parameters, by torch's names:
+
+    >>> mha = attnx.MultiheadAttention(16, 4, 0.1, False, seed=0)   # dropout 0.1, no bias
+    >>> [(name, p.shape) for name, p in mha.named_parameters()]
+    [('in_proj_weight', (48, 16)), ('out_proj.weight', (16, 16))]
+    >>> mha.training
+    True
+    >>> mha(x, x, x)
+    Traceback (most recent call last):
+        ...
+    NotImplementedError: MultiheadAttention with dropout=0.1 in training mode: attnx is an inference library: call .eval() or use dropout=0.0
+    >>> out, _ = mha.eval()(x, x, x)
     """
 
     embed_dim: int
@@ -156,6 +305,8 @@ class MultiheadAttention:
     add_zero_attn: bool
     batch_first: bool
     dtype: np.dtype[Any]
+    dropout: float
+    training: bool
     in_proj_weight: FloatArray | None
     q_proj_weight: FloatArray | None
     k_proj_weight: FloatArray | None
@@ -170,15 +321,21 @@ class MultiheadAttention:
         self,
         embed_dim: int,
         num_heads: int,
+        dropout: float = 0.0,
         bias: bool = True,
         add_bias_kv: bool = False,
         add_zero_attn: bool = False,
         kdim: int | None = None,
         vdim: int | None = None,
         batch_first: bool = False,
-        dtype: npt.DTypeLike = np.float32,
+        device: str | TorchDevice | None = None,
+        dtype: npt.DTypeLike | TorchDType | None = None,
+        *,
         seed: int | np.random.Generator | None = None,
     ) -> None:
+        _check_device(device)
+        self.dropout = dropout  # checked by __setattr__
+        self.training = True  # torch's modules start in training mode
         embed_dim = as_positive_int(embed_dim, "embed_dim")
         num_heads = as_positive_int(num_heads, "num_heads")
         self.head_dim = check_heads(embed_dim, num_heads)
@@ -260,6 +417,111 @@ class MultiheadAttention:
         if self.bias:
             shapes["out_proj.bias"] = (E,)
         return shapes
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, FloatArray]]:
+        """The parameters with their names, in torch's order, as ``torch.nn.Module.named_parameters``.
+
+        Parameters
+        ----------
+        prefix : str, default ""
+            Put in front of every name, with a dot (``"attn"`` gives ``"attn.in_proj_weight"``).
+        recurse : bool, default True
+            Also yield ``out_proj``'s parameters (``out_proj.weight``, ``out_proj.bias``),
+            as torch yields its submodules'.
+
+        Yields
+        ------
+        (str, ndarray)
+            The names of :meth:`state_dict`, and the module's own arrays (not
+            copies: writing into them changes the module, as writing into
+            torch's parameters does).
+
+        Examples
+        --------
+        >>> import attnx
+        >>> m = attnx.MultiheadAttention(8, 2, kdim=3, vdim=5, add_bias_kv=True)
+        >>> [name for name, _ in m.named_parameters()]
+        ['q_proj_weight', 'k_proj_weight', 'v_proj_weight', 'in_proj_bias', 'bias_k', 'bias_v', 'out_proj.weight', 'out_proj.bias']
+        >>> [name for name, _ in m.named_parameters(prefix="attn", recurse=False)][:2]
+        ['attn.q_proj_weight', 'attn.k_proj_weight']
+        """
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {prefix!r}")
+        recurse = as_bool_flag(recurse, "recurse")
+        for key in self._expected_shapes():
+            if not recurse and "." in key:
+                continue
+            value = getattr(self, self._KEY_TO_ATTR[key])
+            if value is not None:  # torch leaves absent parameters out, too
+                yield (f"{prefix}.{key}" if prefix else key), value
+
+    def parameters(self, recurse: bool = True) -> Iterator[FloatArray]:
+        """The parameter arrays in torch's order, as ``torch.nn.Module.parameters``.
+
+        Parameters
+        ----------
+        recurse : bool, default True
+            Also yield ``out_proj``'s weight and bias.
+
+        Yields
+        ------
+        ndarray
+            The arrays of :meth:`named_parameters` (the module's own, not copies).
+
+        Examples
+        --------
+        >>> import attnx
+        >>> sum(p.size for p in attnx.MultiheadAttention(8, 2).parameters())
+        288
+        """
+        for _, value in self.named_parameters(recurse=recurse):
+            yield value
+
+    @property
+    def out_proj(self) -> OutProj:
+        """torch's ``out_proj``: its ``weight`` and ``bias`` are ``out_proj_weight`` and ``out_proj_bias``."""
+        return OutProj(self)
+
+    def train(self, mode: bool = True) -> MultiheadAttention:
+        """Set training mode (``mode=True``) or inference mode, as ``torch.nn.Module.train``.
+
+        In training mode, a call with ``dropout > 0`` raises NotImplementedError
+        (attnx does not apply dropout); with ``dropout=0.0`` both modes compute the same.
+
+        Parameters
+        ----------
+        mode : bool, default True
+
+        Returns
+        -------
+        MultiheadAttention
+            The module itself.
+
+        Examples
+        --------
+        >>> import attnx
+        >>> m = attnx.MultiheadAttention(8, 2, dropout=0.1)
+        >>> m.train(False) is m, m.training
+        (True, False)
+        """
+        self.training = as_bool_flag(mode, "mode")
+        return self
+
+    def eval(self) -> MultiheadAttention:
+        """Set inference mode: ``self.train(False)``, as ``torch.nn.Module.eval``.
+
+        Returns
+        -------
+        MultiheadAttention
+            The module itself, so that ``MultiheadAttention(E, H, 0.1).eval()`` is a module.
+
+        Examples
+        --------
+        >>> import attnx
+        >>> attnx.MultiheadAttention(8, 2, 0.1).eval().training
+        False
+        """
+        return self.train(False)
 
     def state_dict(self) -> dict[str, FloatArray]:
         """The parameters under ``torch.nn.MultiheadAttention``'s state_dict keys.
@@ -368,17 +630,25 @@ class MultiheadAttention:
         ----------
         module : torch.nn.MultiheadAttention
             Read through its attributes and ``state_dict()``; attnx does not
-            import torch. Its ``dropout`` is ignored (attnx computes what the
-            torch module computes in ``eval()`` mode).
+            import torch.
 
         Returns
         -------
         MultiheadAttention
-            Same ``embed_dim``, ``num_heads``, ``bias``, ``add_bias_kv``,
-            ``add_zero_attn``, ``kdim``, ``vdim`` and ``batch_first``; dtype
-            float64 or float16 if the torch module's parameters are, else
-            float32 (bfloat16 parameters are widened exactly). The weights are
-            copies.
+            Same ``embed_dim``, ``num_heads``, ``dropout``, ``bias``,
+            ``add_bias_kv``, ``add_zero_attn``, ``kdim``, ``vdim``,
+            ``batch_first`` and ``training`` flag; dtype float64 or float16 if
+            the torch module's parameters are, else float32 (bfloat16
+            parameters are widened exactly). The weights are copies.
+
+        Notes
+        -----
+        The mode is copied with the dropout so that the copy computes what the
+        torch module computes or refuses: a torch module in training mode with
+        ``dropout > 0`` applies dropout, so its copy raises NotImplementedError
+        when called until ``eval()`` is called on it (or on the torch module
+        before copying). A module with ``dropout=0.0`` computes the same in
+        either mode and works in both.
 
         Examples
         --------
@@ -410,6 +680,7 @@ class MultiheadAttention:
         new = cls(
             int(module.embed_dim),
             int(module.num_heads),
+            dropout=float(getattr(module, "dropout", 0.0)),
             bias=bias,
             add_bias_kv=module.bias_k is not None,
             add_zero_attn=bool(module.add_zero_attn),
@@ -420,15 +691,16 @@ class MultiheadAttention:
             seed=0,  # every parameter is overwritten just below
         )
         new.load_state_dict(module.state_dict())
+        new.train(bool(getattr(module, "training", False)))
         return new
 
     # ------------------------------------------------------------------------------------------
     # Forward
     # ------------------------------------------------------------------------------------------
 
-    def _as_input(self, x: npt.ArrayLike) -> np.ndarray[Any, Any]:
+    def _as_input(self, x: npt.ArrayLike, name: str) -> np.ndarray[Any, Any]:
         """A floating input in the module's dtype; anything else goes on to the functional checks."""
-        a = np.asarray(x)
+        a = as_array(x, name)
         if is_floating(a.dtype) and a.dtype != self.dtype:
             a = a.astype(self.dtype)
         return a
@@ -494,11 +766,14 @@ class MultiheadAttention:
         >>> out.shape, none
         ((2, 4, 8), None)
         """
+        if self.dropout and self.training:
+            raise NotImplementedError(_DROPOUT_MESSAGE.format(dropout=self.dropout))
         weights = self.__dict__.get("_weights_cache")
         if weights is None:  # not kept: half precision, or parameters the core cannot share
             weights = self._weights()
             if self.dtype.itemsize == 2:  # half precision: inputs rounded to it first
-                query, key, value = self._as_input(query), self._as_input(key), self._as_input(value)
+                query = self._as_input(query, "query")
+                key, value = self._as_input(key, "key"), self._as_input(value, "value")
         if type(need_weights) is bool and type(average_attn_weights) is bool and is_causal is False:
             options = _OPTIONS[self.batch_first][need_weights][average_attn_weights]
         else:
@@ -531,13 +806,24 @@ class MultiheadAttention:
         return weights
 
     def __setattr__(self, name: str, value: Any) -> None:
-        self.__dict__.pop("_weights_cache", None)
+        if name in _MODE_ATTRIBUTES:
+            # Checked here, so that forward's test of them stays one lookup each.
+            if name == "dropout":
+                value = _dropout_probability(value)
+            else:
+                value = as_bool_flag(value, "training")
+        else:
+            self.__dict__.pop("_weights_cache", None)
         object.__setattr__(self, name, value)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_weights_cache", None)  # views of the parameters: not the copy's memory
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Pickles of versions without dropout and training: torch's defaults.
+        self.__dict__.update({"dropout": 0.0, "training": True, **state})
 
     __call__ = forward
 
@@ -604,7 +890,8 @@ class MultiheadAttention:
         ------
         NotImplementedError
             For a module with ``add_bias_kv``, ``add_zero_attn``, or ``kdim`` /
-            ``vdim`` other than ``embed_dim`` (no self-attention decoding).
+            ``vdim`` other than ``embed_dim`` (no self-attention decoding), and
+            in training mode with ``dropout > 0`` (as :meth:`forward`).
 
         Examples
         --------
@@ -622,12 +909,16 @@ class MultiheadAttention:
                 f"step decodes self-attention only: not available for {self!r} "
                 f"(add_bias_kv, add_zero_attn, or kdim/vdim other than embed_dim)"
             )
+        if self.dropout and self.training:
+            raise NotImplementedError(_DROPOUT_MESSAGE.format(dropout=self.dropout))
         if self.dtype.itemsize == 2:  # half precision: the new tokens rounded to it first
-            query = self._as_input(query)
+            query = self._as_input(query, "query")
         return mha_step(self._weights(), query, cache, lengths, self.batch_first)
 
     def __repr__(self) -> str:
         args = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
+        if self.dropout:
+            args.append(f"dropout={self.dropout}")
         if not self.bias:
             args.append("bias=False")
         if self.add_bias_kv:
