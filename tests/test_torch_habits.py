@@ -426,6 +426,34 @@ def test_sdpa_reads_tensors_that_require_grad(torch, rng, dtype):
     assert tq.grad is None and tq.requires_grad
 
 
+def test_out_and_tensor_masks(torch, rng):
+    q = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    mask = rng.standard_normal((4, 4)).astype(np.float32)
+    out = np.empty((1, 2, 4, 8), np.float32)
+    got = attnx.scaled_dot_product_attention(q, q, q, attn_mask=torch.tensor(mask, requires_grad=True), out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, attnx.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    # A tensor over the memory of out= is an input that shares it.
+    shared = np.zeros((1, 2, 4, 4), np.float32)
+    with pytest.raises(ValueError, match="out must not share memory with an input"):
+        attnx.scaled_dot_product_attention(q[..., :4], q[..., :4], q[..., :4], attn_mask=torch.from_numpy(shared),
+                                           out=shared)
+
+
+def test_kv_cache_reads_tensors_that_require_grad(torch, rng):
+    k = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 4)).astype(np.float32)
+    cache, expected = attnx.KVCache(1, 2, 8, 4), attnx.KVCache(1, 2, 8, 4)
+    cache.append(torch.tensor(k, requires_grad=True), torch.tensor(k, requires_grad=True))
+    expected.append(k, k)
+    np.testing.assert_array_equal(cache.key, expected.key)
+    np.testing.assert_array_equal(attnx.cached_attention(torch.tensor(q, requires_grad=True), cache),
+                                  attnx.cached_attention(q, expected))
+    with pytest.raises(TypeError, match="value is a GarbageOfAnotherShape"):
+        cache.append(k, GarbageOfAnotherShape(k.shape))
+    assert cache.lengths.tolist() == [3]
+
+
 def test_mha_functional_reads_torch_parameters(torch, rng):
     tm = torch_module(torch, {"add_bias_kv": True})
     x = rng.standard_normal((L, N, E)).astype(np.float32)

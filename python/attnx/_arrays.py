@@ -397,7 +397,16 @@ def check_out(out, shape: tuple, dtype: np.dtype, inputs) -> np.ndarray:
     if not out.flags.writeable:
         raise ValueError("out is read-only")
     for x in inputs:
-        if x is not None and np.may_share_memory(out, x):
+        if x is None:
+            continue
+        if type(x) is not np.ndarray:
+            # The values as attnx read them (a tensor's are a view of its memory); np.asarray
+            # itself would fail on a tensor that requires grad.
+            try:
+                x = as_array(x, "input")
+            except TypeError:  # not an array (a CausalBias mask): no memory to share
+                continue
+        if np.may_share_memory(out, x):
             raise ValueError("out must not share memory with an input")
     return out
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, SupportsIndex
 
 import numpy as np
 
-from ._arrays import as_lengths, as_positive_int, is_floating, is_half, shape_str
+from ._arrays import as_array, as_lengths, as_positive_int, is_floating, is_half, shape_str
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -201,7 +201,7 @@ class KVCache:
     # ------------------------------------------------------------------------------------------
 
     def _check_new(self, x: npt.ArrayLike, name: str, width: int) -> np.ndarray[Any, Any]:
-        a = np.asarray(x)
+        a = as_array(x, name)
         if not is_floating(a.dtype):
             raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
         expected = f"(batch, num_kv_heads, T, {'head_dim' if name == 'key' else 'value_dim'})"
