@@ -8,7 +8,10 @@ the private ``_core.sdpa`` / ``_testing.run_sdpa`` / ``_core.mha`` / ``_core.Mha
 built as a valid call that is then mutated 0 to 3 times: an argument replaced by a
 malformed value (wrong rank, shape, dtype, strides, byte order, alignment, a list, a
 string, None, an object whose ``__array__`` raises, ...), or resized, or re-typed, or
-re-laid-out. The only allowed outcomes:
+re-laid-out. The public entry points also get what torch code passes: tensors that
+require grad (valid: read as their values), tensor subclasses whose conversion gives
+garbage of another shape (they must raise), and ``CausalBias`` masks for sdpa. The only
+allowed outcomes:
 
 * a result equal to the float64 reference's (``attnx.reference``, to the contract's
   tolerances, NaN/Inf where it has them) -- and an unmutated call must give one;
@@ -165,6 +168,91 @@ class FakeTensor:
 
     def float(self):
         return self
+
+
+class GradTensor:
+    """Duck-typed like a torch tensor that requires grad: its own conversion raises (as torch's
+    does, "Can't call numpy() on Tensor that requires grad"); ``detach()`` gives its values.
+    A valid input: attnx must read it as its detached values."""
+
+    requires_grad = True
+
+    def __init__(self, array):
+        self.array = array
+        self.shape, self.ndim = array.shape, array.ndim
+
+    def detach(self):
+        return FakeTensor(self.array)
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+
+
+class GarbageTensor:
+    """A tensor subclass as torch's CausalBias is one: its ``__array__`` gives uninitialised
+    memory of another shape than its own. Any call given one must raise."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+    def __array__(self, dtype=None, copy=None):
+        return np.empty((self.shape[0] + 1,) + self.shape[1:] if self.shape else (3,), self.dtype)
+
+
+class TorchGarbageTensor(GarbageTensor):
+    """The same, from a torch module (by name): refused as a torch object that is no plain tensor."""
+
+    __module__ = "torch.fuzz"
+
+
+class CausalVariant:
+    def __init__(self, name):
+        self.name = name
+
+
+class CausalBias:
+    """Looks like torch.nn.attention.bias.CausalBias (by name and module, as attnx tells it) and
+    converts as it does: to garbage. sdpa may read it as its causal mode, or refuse it."""
+
+    __module__ = "torch.nn.attention.bias"
+
+    def __init__(self, variant, seq_len_q, seq_len_kv):
+        self.variant, self.seq_len_q, self.seq_len_kv = CausalVariant(variant), seq_len_q, seq_len_kv
+
+    def __array__(self, dtype=None, copy=None):
+        return np.empty((2, self.seq_len_q, self.seq_len_kv), np.float32)
+
+    def materialize(self, L, S):
+        """The bool mask (True = may attend) it stands for, at the call's L and S."""
+        offset = S - L if self.variant.name == "LOWER_RIGHT" else 0
+        return np.tri(L, S, offset, dtype=bool)
+
+
+def plain(x):
+    """What attnx reads from `x`: a GradTensor's values, anything else as it is."""
+    return x.array if isinstance(x, GradTensor) else x
+
+
+def garbage_in(values) -> bool:
+    return any(isinstance(x, GarbageTensor) for x in values)
+
+
+def torch_habits(p: Provider, args: dict, names) -> list:
+    """Sometimes replaces an ndarray argument with a tensor that requires grad (valid) or a
+    tensor subclass that converts to garbage; returns the names given garbage."""
+    garbage = []
+    for _ in range(p.choice([0, 0, 0, 1, 2])):
+        name = p.choice(names)
+        x = args.get(name)
+        if not isinstance(x, np.ndarray):
+            continue
+        if p.bool(0.75):
+            args[name] = GradTensor(x)
+        else:
+            cls = TorchGarbageTensor if p.bool() else GarbageTensor
+            args[name] = cls(x.shape, x.dtype if x.dtype.kind in "fb" else F32)
+            garbage.append(name)
+    return garbage
 
 
 WEIRD_DTYPES = [np.float16, np.int32, np.int64, np.uint8, np.bool_, np.complex64, np.complex128,
@@ -403,6 +491,18 @@ def snapshot(arrays):
     return out
 
 
+def check_garbage_refused(ok, garbage, n_mut, what):
+    """A call given a tensor that converts to garbage must raise; TypeError where nothing else
+    was wrong with it."""
+    if not garbage:
+        return
+    OUTCOMES[f"{what}: tensor subclass given"] += 1
+    if ok:
+        raise Disallowed(f"{what}: computed with {', '.join(garbage)} a tensor subclass whose conversion is garbage")
+    if n_mut == 0 and garbage[0] in ("query",) and LAST_ERROR[0] is not TypeError:
+        raise Disallowed(f"{what}: a tensor subclass as query raised {LAST_ERROR[0]}, not TypeError")
+
+
 def check_untouched(snap, what, allowed=()):
     for a, copy in snap:
         if any(a is x for x in allowed):
@@ -411,12 +511,17 @@ def check_untouched(snap, what, allowed=()):
             raise Disallowed(f"{what}: an input was modified")
 
 
+LAST_ERROR: list = [None]  # the type of the allowed exception call() caught last
+
+
 def call(what, fn, huge=False):
     """Runs fn(); returns (True, result) or (False, None) for an allowed exception."""
+    LAST_ERROR[0] = None
     try:
         with np.errstate(all="ignore"):
             return True, fn()
     except ALLOWED as exc:
+        LAST_ERROR[0] = type(exc)
         OUTCOMES[f"{what}: {type(exc).__name__}"] += 1
         if not str(exc):
             raise Disallowed(f"{what}: {type(exc).__name__} without a message") from exc
@@ -523,11 +628,21 @@ def fuzz_sdpa(p: Provider):
                 args["out"] = p.choice(options)()
             except (ValueError, TypeError, IndexError):
                 args["out"] = np.empty((1,), dtype)
+    garbage = torch_habits(p, args, ["query", "key", "value", "attn_mask"])
+    bias = None
+    if args["attn_mask"] is None and p.bool(0.1):  # torch's CausalBias, of the call's lengths
+        bias = args["attn_mask"] = CausalBias(p.choice(["UPPER_LEFT", "LOWER_RIGHT"]), L, S)
+        n_mut += 1  # (read as is_causal, or refused: either is allowed)
     kwargs = {k: v for k, v in args.items() if k not in ("query", "key", "value")}
-    inputs = [args["query"], args["key"], args["value"], args["attn_mask"]]
+    inputs = [plain(args["query"]), plain(args["key"]), plain(args["value"]),
+              None if bias is not None else plain(args["attn_mask"])]
     snap = snapshot(inputs)
     ok, got = call("sdpa", lambda: attnx.scaled_dot_product_attention(args["query"], args["key"], args["value"], **kwargs))
     check_untouched(snap, "sdpa", allowed=[args.get("out")])
+    check_garbage_refused(ok, garbage, n_mut, "sdpa")
+    n_mut += len(garbage)
+    if bias is not None:
+        OUTCOMES[f"sdpa: CausalBias {'read' if ok else 'refused'}"] += 1
     if not ok:
         if n_mut == 0:
             raise Disallowed("sdpa: a valid call raised")
@@ -537,16 +652,20 @@ def fuzz_sdpa(p: Provider):
     for x in inputs:
         if isinstance(x, np.ndarray) and x is not args.get("out") and np.shares_memory(got, x):
             raise Disallowed("sdpa: the result shares memory with an input")
-    ref_kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    ref_kwargs = {k: plain(v) for k, v in kwargs.items() if k != "out"}
+    if bias is not None:  # the mask it stands for, at the call's own lengths
+        shape_q, shape_k = safe_shape(plain(args["query"])), safe_shape(plain(args["key"]))
+        if len(shape_q) >= 2 and len(shape_k) >= 2:
+            ref_kwargs["attn_mask"] = bias.materialize(shape_q[-2], shape_k[-2])
     expected = reference_of(lambda: reference.scaled_dot_product_attention(
-        *(as_f64(x) for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
+        *(as_f64(plain(x)) for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
     if expected is None:
         raise Disallowed("sdpa: attnx computed a result for a call the reference rejects")
     scale = args["scale"]
     scale_arr = [np.asarray(float(scale))] if isinstance(scale, (int, float, np.floating)) else []
-    q = np.asarray(args["query"])
+    q = np.asarray(plain(args["query"]))
     eff_scale = 1 / math.sqrt(q.shape[-1]) if args["scale"] is None and q.shape[-1] else (scale_arr or [1.0])[0]
-    moderate = logits_moderate(q, np.asarray(args["key"]), eff_scale) if q.ndim >= 2 else True
+    moderate = logits_moderate(q, np.asarray(plain(args["key"])), eff_scale) if q.ndim >= 2 else True
     compare(got, expected, q.dtype.newbyteorder("="), "sdpa", inputs + scale_arr, moderate)
 
 
@@ -618,10 +737,13 @@ def fuzz_mha(p: Provider):
             a[name] = malformed(p, a[name])
         else:
             a[p.choice(MHA_SCALARS)] = p.choice(SCALAR_JUNK)
-    inputs = [a[n] for n in MHA_ARRAYS]
+    garbage = torch_habits(p, a, MHA_ARRAYS)
+    inputs = [plain(a[n]) for n in MHA_ARRAYS]
     snap = snapshot(inputs)
     ok, got = call("mha", lambda: attnx.multi_head_attention_forward(**a))
     check_untouched(snap, "mha")
+    check_garbage_refused(ok, garbage, n_mut, "mha")
+    n_mut += len(garbage)
     if not ok:
         if n_mut == 0:
             raise Disallowed("mha: a valid call raised")
@@ -631,11 +753,11 @@ def fuzz_mha(p: Provider):
         for x in inputs:
             if r is not None and isinstance(x, np.ndarray) and np.shares_memory(r, x):
                 raise Disallowed("mha: a result shares memory with an input")
-    conv = {k: as_f64(v) for k, v in a.items()}
+    conv = {k: as_f64(plain(v)) for k, v in a.items()}
     expected = reference_of(lambda: reference.multi_head_attention_forward(**conv))
     if expected is None:
         raise Disallowed("mha: attnx computed a result for a call the reference rejects")
-    dtype = np.asarray(a["query"]).dtype.newbyteorder("=")
+    dtype = np.asarray(plain(a["query"])).dtype.newbyteorder("=")
     compare(out, expected[0], dtype, "mha output", inputs)
     compare(weights, expected[1], dtype, "mha weights", inputs)
 
@@ -644,8 +766,8 @@ def fuzz_module(p: Provider):
     E = p.choice([1, 2, 4, 6, 8])
     kw = dict(embed_dim=E, num_heads=p.choice([1, 2]), bias=p.bool(), add_bias_kv=p.bool(0.3),
               add_zero_attn=p.bool(0.3), kdim=p.choice([None, None, 3]), vdim=p.choice([None, None, 5]),
-              batch_first=p.bool(), dtype=p.choice([np.float32, np.float64, "float32", "f8"]),
-              seed=p.int(0, 1000))
+              batch_first=p.bool(), dtype=p.choice([np.float32, np.float64, "float32", "f8", None]),
+              dropout=p.choice([0.0, 0.0, 0.0, 0.1]), device=p.choice([None, None, "cpu"]), seed=p.int(0, 1000))
     huge = False
     if p.bool(0.25):  # malformed constructor arguments
         name = p.choice(list(kw))
@@ -653,12 +775,16 @@ def fuzz_module(p: Provider):
         # 24 TiB, which a system that overcommits memory without limit may grant, and the
         # weights' initialisation then fills until the process is killed.)
         junk = [None, 0, -3, 1.5, "8", True, np.int32(4), 2**40, 2**62, np.float16, np.int32, object,
-                "float16", np.random.default_rng(0), -1, [1]]
+                "float16", np.random.default_rng(0), -1, [1], "cuda", 1.5, float("nan")]
         kw[name] = p.choice(junk)
         huge = name in ("embed_dim", "kdim", "vdim")
     ok, m = call("MultiheadAttention()", lambda: attnx.MultiheadAttention(**kw), huge=huge)
     if not ok:
         return
+    if p.bool():
+        m.eval()
+    # torch's rule: dropout applies in training mode, where attnx must refuse the call.
+    dropout_applies = m.training and m.dropout > 0
     dtype = m.dtype
     # load_state_dict: a state_dict of another module, perhaps mangled.
     sd = attnx.MultiheadAttention(
@@ -712,7 +838,10 @@ def fuzz_module(p: Provider):
             args[name] = malformed(p, args[name])
         else:
             opts[name] = malformed(p, opts.get(name))
-    inputs = [args["query"], args["key"], args["value"], opts.get("key_padding_mask"), opts.get("attn_mask")]
+    garbage = torch_habits(p, args, ["query", "key", "value"])
+    garbage += torch_habits(p, opts, ["key_padding_mask", "attn_mask"])
+    inputs = [plain(x) for x in (args["query"], args["key"], args["value"], opts.get("key_padding_mask"),
+                                 opts.get("attn_mask"))]
     snap = snapshot(inputs)
     params = m.state_dict()
     ok, got = call("MultiheadAttention.forward", lambda: m(args["query"], args["key"], args["value"], **opts))
@@ -720,12 +849,21 @@ def fuzz_module(p: Provider):
     for key, value in m.state_dict().items():
         if not np.array_equal(value, params[key], equal_nan=True):
             raise Disallowed("MultiheadAttention.forward changed a parameter")
+    check_garbage_refused(ok, garbage, n_mut + dropout_applies, "MultiheadAttention.forward")
+    n_mut += len(garbage)
+    if dropout_applies:
+        if ok:
+            raise Disallowed("MultiheadAttention.forward: computed in training mode with dropout > 0")
+        OUTCOMES[f"MultiheadAttention.forward: dropout in training mode, {LAST_ERROR[0].__name__}"] += 1
+        return
     if not ok:
         if n_mut == 0:
             raise Disallowed("MultiheadAttention.forward: a valid call raised")
         return
     out, weights = got
     cast = lambda x: np.asarray(x).astype(np.float64) if np.asarray(x).dtype.kind == "f" else x  # noqa: E731
+    args = {k: plain(v) for k, v in args.items()}
+    opts = {k: plain(v) for k, v in opts.items()}
     expected = reference_of(lambda: reference.multi_head_attention_forward(
         cast(np.asarray(args["query"]).astype(dtype)), cast(np.asarray(args["key"]).astype(dtype)),
         cast(np.asarray(args["value"]).astype(dtype)), m.embed_dim, m.num_heads,
