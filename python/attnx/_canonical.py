@@ -20,6 +20,7 @@ from . import _core
 from .cache import KVCache
 from ._arrays import (
     additive_mask,
+    as_array,
     as_bool_flag,
     as_finite_scale,
     as_float,
@@ -382,6 +383,12 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
     gives the result from the core's (out, weights) (unbatched, in the result's dtype).
     """
     attn_mask, key_padding_mask, static_k, static_v = (None,) * 4 if extras is None else extras
+    # The masks as arrays before their ranks are read: a tensor subclass or another object whose
+    # conversion is not its values raises TypeError naming the mask, not a shape error.
+    if attn_mask is not None:
+        attn_mask = as_array(attn_mask, "attn_mask")
+    if key_padding_mask is not None:
+        key_padding_mask = as_array(key_padding_mask, "key_padding_mask")
     result_and_compute_dtype(query)  # non-float queries: torch's message
     dtype = np.dtype(np.float64 if weights.dtype == np.float64 else np.float32)
     q, k, v = (as_float(x, dtype, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
