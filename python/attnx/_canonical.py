@@ -95,8 +95,31 @@ def check_dropout(dropout_p, name: str = "dropout_p") -> None:
         )
 
 
+# The options of calls without a window, by their arguments and the arguments' classes (so that
+# True and 1, or 0.5 and np.float32(0.5), are told apart): checking them and making the core's
+# object take about 1 us, the call of a small attention a few.
+_OPTIONS_CACHE: dict = {}
+_OPTIONS_CACHE_SIZE = 256
+
+
 def sdpa_options(is_causal, scale, enable_gqa, window, softcap=None, return_scores=None) -> "_core.SdpaOptions":
     """The checked scalar arguments of scaled_dot_product_attention."""
+    if window is not None:
+        return _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores)
+    key = (is_causal, is_causal.__class__, scale, scale.__class__, enable_gqa, enable_gqa.__class__,
+           softcap, softcap.__class__, return_scores, return_scores.__class__)
+    try:
+        options = _OPTIONS_CACHE.get(key)
+    except TypeError:  # an unhashable argument: checked (and refused) below
+        options = key = None
+    if options is None:
+        options = _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores)
+        if key is not None and len(_OPTIONS_CACHE) < _OPTIONS_CACHE_SIZE:
+            _OPTIONS_CACHE[key] = options
+    return options
+
+
+def _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores) -> "_core.SdpaOptions":
     causal, bottom_right = causal_mode(is_causal)
     enable_gqa = as_bool_flag(enable_gqa, "enable_gqa")
     window_left, window_right = window_bounds(window)

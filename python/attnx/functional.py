@@ -192,21 +192,24 @@ def scaled_dot_product_attention(
             [1., 2.],
             [2., 3.]]], dtype=float32)
     """
-    if type(dropout_p) is not float or dropout_p != 0.0:
-        check_dropout(dropout_p)
-    if attn_mask is not None and not isinstance(attn_mask, np.ndarray):
-        attn_mask, is_causal = _causal_bias_as_causal(attn_mask, is_causal, query, key)
+    # The common call in one test: its options are made once, at import.
     if (
         scale is None
         and window is None
         and softcap is None
         and return_scores is None
-        and type(is_causal) is bool
-        and type(enable_gqa) is bool
+        and dropout_p.__class__ is float
+        and not dropout_p
+        and is_causal.__class__ is bool
+        and enable_gqa.__class__ is bool
+        and (attn_mask is None or attn_mask.__class__ is np.ndarray)
     ):
-        options = DEFAULT_SDPA_OPTIONS[is_causal][enable_gqa]  # made once, at import
-    else:
-        options = sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores)
+        return _core.sdpa(query, key, value, attn_mask, DEFAULT_SDPA_OPTIONS[is_causal][enable_gqa], out)
+    if dropout_p.__class__ is not float or dropout_p:
+        check_dropout(dropout_p)
+    if attn_mask is not None and not isinstance(attn_mask, np.ndarray):
+        attn_mask, is_causal = _causal_bias_as_causal(attn_mask, is_causal, query, key)
+    options = sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores)
     return _core.sdpa(query, key, value, attn_mask, options, out)
 
 
