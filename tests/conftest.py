@@ -44,6 +44,23 @@ def usable_isas():
     """The kernels ATTNX_ISA can pick here: those this build has that the CPU runs."""
     cfg = attnx.show_config()
     return [isa for isa in ISAS[: ISAS.index(cfg["cpu_isa"]) + 1] if isa in cfg["kernels"]]
+
+
+def run_under_isa(isa: str, script: str, *args: str, timeout: float = 600) -> dict:
+    """Runs `script` in a subprocess with ATTNX_ISA=isa (the kernel is chosen once, at import)
+    and returns the JSON object its last line of output prints; its `isa` must be `isa`."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ATTNX_ISA=isa)
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    # A negative rc is a signal: SIGSEGV (-11) most likely means a read outside an array.
+    assert proc.returncode == 0, f"ATTNX_ISA={isa}: rc {proc.returncode}\n{proc.stderr}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["isa"] == isa, result
+    return result
 DTYPE_IDS = ["f32", "f64"]
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -27,7 +25,7 @@ import pytest
 
 import attnx
 from attnx import _testing
-from conftest import usable_isas
+from conftest import run_under_isa, usable_isas
 
 FORMATS = ["float16", "bfloat16"]
 QUIET = np.uint32(0x00400000)
@@ -119,14 +117,7 @@ SWEEP = textwrap.dedent(
 
 @functools.lru_cache(maxsize=None)
 def run_sweep(isa):
-    env = dict(os.environ, ATTNX_ISA=isa)
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run(
-        [sys.executable, "-c", SWEEP, here], env=env, capture_output=True, text=True, timeout=300
-    )
-    # A negative rc is a signal: SIGSEGV (-11) here most likely means a read outside src.
-    assert proc.returncode == 0, f"ATTNX_ISA={isa}: rc {proc.returncode}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_under_isa(isa, SWEEP, os.path.dirname(os.path.abspath(__file__)), timeout=300)
 
 
 @pytest.mark.parametrize("isa", usable_isas())

@@ -9,7 +9,6 @@ register tile of gemm (4, 6, 12, 16 rows).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import textwrap
 import pytest
 
 import attnx
-from conftest import usable_isas
+from conftest import run_under_isa, usable_isas
 
 
 SWEEP = textwrap.dedent(
@@ -110,14 +109,7 @@ SWEEP = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", usable_isas())
 def test_kernel_agrees_with_reference(isa):
-    env = dict(os.environ, ATTNX_ISA=isa)
-    proc = subprocess.run(
-        [sys.executable, "-c", SWEEP, "7", "120"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["isa"] == isa
-    assert result["failures"] == []
+    assert run_under_isa(isa, SWEEP, "7", "120")["failures"] == []
 
 
 # float32 projections over long input dims, against float64, in units of
@@ -147,12 +139,7 @@ PROJECTION_ACCURACY = textwrap.dedent(
 
 @pytest.mark.parametrize("isa", usable_isas())
 def test_long_projection_sums_stay_accurate(isa):
-    env = dict(os.environ, ATTNX_ISA=isa)
-    proc = subprocess.run([sys.executable, "-c", PROJECTION_ACCURACY], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["isa"] == isa
+    result = run_under_isa(isa, PROJECTION_ACCURACY, timeout=300)
     assert result["worst"] <= 2.0, result
 
 

@@ -7,10 +7,6 @@ every SIMD kernel the CPU runs.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -18,7 +14,7 @@ import pytest
 
 import attnx
 from attnx import _core, _testing, reference
-from conftest import TOLERANCES, usable_isas
+from conftest import TOLERANCES, run_under_isa, usable_isas
 
 sdpa = attnx.scaled_dot_product_attention
 STAGES = ["qk", "softcapped", "masked", "softmax"]
@@ -377,13 +373,7 @@ KERNEL_SWEEP = textwrap.dedent(
 
 @pytest.mark.parametrize("isa", usable_isas())
 def test_every_kernel_softcaps_and_scores(isa):
-    env = dict(os.environ, ATTNX_ISA=isa)
-    proc = subprocess.run(
-        [sys.executable, "-c", KERNEL_SWEEP, "3", "40"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["isa"] == isa
+    result = run_under_isa(isa, KERNEL_SWEEP, "3", "40")
     assert result["failures"] == []
     # The rational tanh of the SIMD kernels (docs/tuning.md): within a few units in the
     # last place, with the multiplication by 1 / cap before it.
