@@ -222,10 +222,9 @@ class CausalBias:
     def __array__(self, dtype=None, copy=None):
         return np.empty((2, self.seq_len_q, self.seq_len_kv), np.float32)
 
-    def materialize(self, L, S):
-        """The bool mask (True = may attend) it stands for, at the call's L and S."""
-        offset = S - L if self.variant.name == "LOWER_RIGHT" else 0
-        return np.tri(L, S, offset, dtype=bool)
+    def causal_mode(self):
+        """The is_causal it stands for (which also aligns a window: docs/api.md)."""
+        return "bottom_right" if self.variant.name == "LOWER_RIGHT" else "top_left"
 
 
 def plain(x):
@@ -653,10 +652,8 @@ def fuzz_sdpa(p: Provider):
         if isinstance(x, np.ndarray) and x is not args.get("out") and np.shares_memory(got, x):
             raise Disallowed("sdpa: the result shares memory with an input")
     ref_kwargs = {k: plain(v) for k, v in kwargs.items() if k != "out"}
-    if bias is not None:  # the mask it stands for, at the call's own lengths
-        shape_q, shape_k = safe_shape(plain(args["query"])), safe_shape(plain(args["key"]))
-        if len(shape_q) >= 2 and len(shape_k) >= 2:
-            ref_kwargs["attn_mask"] = bias.materialize(shape_q[-2], shape_k[-2])
+    if bias is not None:  # the causal mode it stands for (read only where is_causal is False)
+        ref_kwargs["attn_mask"], ref_kwargs["is_causal"] = None, bias.causal_mode()
     expected = reference_of(lambda: reference.scaled_dot_product_attention(
         *(as_f64(plain(x)) for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
     if expected is None:
@@ -742,6 +739,14 @@ def fuzz_mha(p: Provider):
     snap = snapshot(inputs)
     ok, got = call("mha", lambda: attnx.multi_head_attention_forward(**a))
     check_untouched(snap, "mha")
+    # The projections the call does not use are never read (as in torch): garbage there is no
+    # computation on garbage.
+    try:
+        separate = bool(a["use_separate_proj_weight"])
+    except (TypeError, ValueError):
+        separate = None
+    unused = {True: ("in_proj_weight",), False: ("q_proj_weight", "k_proj_weight", "v_proj_weight")}.get(separate, ())
+    garbage = [name for name in garbage if name not in unused]
     check_garbage_refused(ok, garbage, n_mut, "mha")
     n_mut += len(garbage)
     if not ok:
