@@ -61,6 +61,22 @@ RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_
 
 
 
+// A whole row's scores p[0..n), masked (closed keys -inf), made its
+// probabilities: zeros for a row with no open key; else max-subtracted
+// exponentials over their sum, so that a row with open keys whose scores
+// are all -inf (an Inf in the inputs) gives 0/0 = NaN. Whether the row is
+// open is returned.
+template <typename T>
+bool row_probabilities(const KernelTable<T>& kt, T* p, int64_t n, bool any_open) {
+  if (!any_open) {
+    std::fill(p, p + n, T(0));
+    return false;
+  }
+  const T sum = kt.exp_shift_sum(p, n, exp_shift(kt.row_max(p, n)));
+  kt.scale(p, n, T(1) / sum, p);
+  return true;
+}
+
 template <typename T>
 bool rows_finite(const KernelTable<T>& kt, const T* v, int64_t ldv, int64_t n, int64_t dim) {
   for (int64_t j = 0; j < n; ++j)

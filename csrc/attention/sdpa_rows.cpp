@@ -194,13 +194,8 @@ void rows_with_weights(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0
     if (a.softcap > 0) kt.softcap(p, 1, S_read, S_read, a.softcap);
     std::fill(p + S_read, p + S, T(0));
     const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
-    const T sum = kt.exp_shift_sum(p, S_read, exp_shift(kt.row_max(p, S_read)));
     std::fill(o, o + Ev, T(0));
-    if (!states.any_open) {  // fully masked row
-      std::fill(p, p + S_read, T(0));
-      continue;
-    }
-    kt.scale(p, S_read, T(1) / sum, p);
+    if (!row_probabilities(kt, p, S_read, states.any_open)) continue;  // fully masked row
     for (int64_t j0 = 0; j0 < S_read; j0 += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, S_read - j0);
       int64_t ldv;

@@ -68,12 +68,7 @@ void sdpa_scores(const SdpaArgs<T>& a, ScoreStage stage, T* scores) {
       const KeyStates states = apply_masks(a, b, h, i0 + r, 0, S, p);
       if (stage == ScoreStage::kMasked) continue;
       // (4) the probabilities, as rows_with_weights has them
-      if (!states.any_open) {
-        std::fill(p, p + S, T(0));
-        continue;
-      }
-      const T sum = kt.exp_shift_sum(p, S, exp_shift(kt.row_max(p, S)));
-      kt.scale(p, S, T(1) / sum, p);
+      row_probabilities(kt, p, S, states.any_open);
     }
   });
 }

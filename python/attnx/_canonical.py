@@ -97,7 +97,7 @@ def check_dropout(dropout_p, name: str = "dropout_p") -> None:
 
 # The options of calls without a window, by their arguments and the arguments' classes (so that
 # True and 1, or 0.5 and np.float32(0.5), are told apart): checking them and making the core's
-# object take about 1 us, the call of a small attention a few.
+# object costs a small call a large share of its time (docs/tuning.md).
 _OPTIONS_CACHE: dict = {}
 _OPTIONS_CACHE_SIZE = 256
 

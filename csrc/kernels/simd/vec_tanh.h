@@ -6,9 +6,9 @@
 // and Q of degree 4 in y^2: 10 multiply-adds and one division, no branch and
 // no blend, where 1 - 2 / (e^2y + 1) costs an exponential and loses the
 // relative accuracy of small y. Past |y| = 9, tanh(y) rounds to +-1 in float;
-// a NaN passes through max and min (their second operand). Measured against
-// tanh in double over every 37th float of [1e-30, 12]: at most 6 units in the
-// last place, |result| <= 1 + 2.4e-7 (docs/tuning.md has the fit).
+// a NaN passes through max and min (their second operand). Within a few
+// units in the last place of tanh (docs/tuning.md: the fit, its error and
+// its cost).
 //
 // double: the C library's tanh lane by lane, as the portable vector type
 // (vec_portable.h) does for both: a rational of double accuracy over the
