@@ -1,4 +1,5 @@
-// The projections of multi-head attention: y = x . w^T + bias.
+// The linear layers of multi-head attention and of transformer layers:
+// y = act(x . w^T + bias).
 //
 //   pack w^T in panels as wide as gemm_wide's tile   (in x wide each, zero-padded)
 //   (for few rows, y^T = w . x^T instead, packing the small x^T: the steps
@@ -165,7 +166,7 @@ void transpose_input(const StridedView<const T, 3>& x, int64_t lanes, T* xt) {
 
 template <typename T>
 void linear_transposed(const RowMajorView<const T>& w, const T* bias, const T* xt, int64_t lanes,
-                       T* yt) {
+                       T* yt, Activation act) {
   // Blocks of kRowBlock rows of w (and of y^T), one task each: with few
   // rows of x, reading w is most of the work, and every thread reads its
   // share. The bias starts each row of y^T.
@@ -180,6 +181,7 @@ void linear_transposed(const RowMajorView<const T>& w, const T* bias, const T* x
     if (rows <= 0) return;
     gemm(rows, lanes, w.cols, w.row(m0), w.row_stride, 1, xt, lanes, yt + m0 * lanes, lanes,
          bias ? GemmInit::kBiasRows : GemmInit::kZero, bias ? bias + m0 : nullptr);
+    if (act != Activation::kNone) kt.activate(yt + m0 * lanes, rows, lanes, lanes, act);
   });
 }
 
@@ -208,7 +210,7 @@ void transpose_output(const T* yt, int64_t lanes, const StridedView<T, 3>& y) {
 
 template <typename T>
 void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T>& w,
-                    const T* bias, const StridedView<T, 3>& y) {
+                    const T* bias, const StridedView<T, 3>& y, Activation act) {
   const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], out = w.rows;
   if (N == 0 || L == 0 || out == 0) return;
   const KernelTable<T>& kt = active_kernels(T());
@@ -231,9 +233,11 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
       T* y_rows[kDotRowsMax];
       for (int r = 0; r < rows; ++r) y_rows[r] = y.at(r / L, r % L) + m0;
       kt.dot_rows(x_rows, rows, w.row(m0), w.row_stride, n, in, y_rows);
-      if (bias)
-        for (int r = 0; r < rows; ++r)
+      for (int r = 0; r < rows; ++r) {
+        if (bias)
           for (int64_t m = 0; m < n; ++m) y_rows[r][m] += bias[m0 + m];
+        if (act != Activation::kNone) kt.activate(y_rows[r], 1, n, n, act);
+      }
     });
     return;
   }
@@ -245,7 +249,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     T* xt = scratch.get();
     T* yt = xt + in * lanes;
     transpose_input(x, lanes, xt);
-    linear_transposed(w, bias, xt, lanes, yt);
+    linear_transposed(w, bias, xt, lanes, yt, act);
     transpose_output(yt, lanes, y);
     return;
   }
@@ -297,6 +301,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
                    panel + k0 * wide, wide, y_tile, rows_of.y_spacing, init,
                    bias ? bias + p * wide : nullptr);
     }
+    if (act != Activation::kNone) kt.activate(y_tile, rows, rows_of.y_spacing, cols, act);
   });
 }
 
@@ -309,16 +314,16 @@ template int64_t transposed_lanes<double>(int64_t);
 template void transpose_input<float>(const StridedView<const float, 3>&, int64_t, float*);
 template void transpose_input<double>(const StridedView<const double, 3>&, int64_t, double*);
 template void linear_transposed<float>(const RowMajorView<const float>&, const float*,
-                                       const float*, int64_t, float*);
+                                       const float*, int64_t, float*, Activation);
 template void linear_transposed<double>(const RowMajorView<const double>&, const double*,
-                                        const double*, int64_t, double*);
+                                        const double*, int64_t, double*, Activation);
 template void transpose_output<float>(const float*, int64_t, const StridedView<float, 3>&);
 template void transpose_output<double>(const double*, int64_t, const StridedView<double, 3>&);
 template void linear_forward<float>(const StridedView<const float, 3>&,
                                     const RowMajorView<const float>&, const float*,
-                                    const StridedView<float, 3>&);
+                                    const StridedView<float, 3>&, Activation);
 template void linear_forward<double>(const StridedView<const double, 3>&,
                                      const RowMajorView<const double>&, const double*,
-                                     const StridedView<double, 3>&);
+                                     const StridedView<double, 3>&, Activation);
 
 }  // namespace attnx

@@ -1,16 +1,20 @@
-// Linear layers of multi-head attention: y = x . w^T + bias, row by row.
+// Linear layers of multi-head attention and of transformer layers:
+// y = act(x . w^T + bias), row by row.
 #pragma once
 
+#include "attnx/activation.h"
 #include "attnx/strided_view.h"
 
 namespace attnx {
 
-// y[n, l, :] = w . x[n, l, :] + bias for every (n, l).
+// y[n, l, :] = act(w . x[n, l, :] + bias) for every (n, l).
 // x: (N, L, in) and y: (N, L, out), last dims contiguous; w: (out, in);
-// bias: (out) or null.
+// bias: (out) or null. The activation is applied to each block of y as soon
+// as its sums are complete, while it is still in cache.
 template <typename T>
 void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T>& w,
-                    const T* bias, const StridedView<T, 3>& y);
+                    const T* bias, const StridedView<T, 3>& y,
+                    Activation act = Activation::kNone);
 
 // Whether linear_forward of `rows` rows (N * L) reads x's rows in place (up
 // to kDotRowsMax rows) or copies them, transposed, rather than packing w:
@@ -33,10 +37,10 @@ int64_t transposed_lanes(int64_t rows);
 // xt (in x lanes) = x^T; lanes past the rows are 0.
 template <typename T>
 void transpose_input(const StridedView<const T, 3>& x, int64_t lanes, T* xt);
-// yt (w.rows x lanes) = w . xt + bias 1^T (xt: w.cols x lanes; bias optional).
+// yt (w.rows x lanes) = act(w . xt + bias 1^T) (xt: w.cols x lanes; bias optional).
 template <typename T>
 void linear_transposed(const RowMajorView<const T>& w, const T* bias, const T* xt, int64_t lanes,
-                       T* yt);
+                       T* yt, Activation act = Activation::kNone);
 // y (N, L, out) = the first N * L lanes of yt (out x lanes), transposed.
 template <typename T>
 void transpose_output(const T* yt, int64_t lanes, const StridedView<T, 3>& y);

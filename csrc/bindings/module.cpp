@@ -17,6 +17,7 @@ void register_sdpa_testing(py::module_& testing);
 void register_testing(py::module_& testing);
 void register_testing_narrowing(py::module_& testing);
 void register_testing_planner(py::module_& testing);
+void register_transformer(py::module_& m);
 }  // namespace attnx::bindings
 
 PYBIND11_MODULE(_core, m) {
@@ -33,6 +34,7 @@ PYBIND11_MODULE(_core, m) {
   attnx::bindings::register_mha(m);
   attnx::bindings::register_runtime(m);
   attnx::bindings::register_sdpa(m);
+  attnx::bindings::register_transformer(m);
   py::module_ testing = m.def_submodule(
       "_testing", "Hooks for attnx's own tests (private, no API; see attnx._testing).");
   attnx::bindings::register_testing(testing);

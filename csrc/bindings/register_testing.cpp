@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -65,9 +66,38 @@ py::array_t<float> widen_16bit(py::array src, const std::string& format) {
   return out;
 }
 
+// The active table's activation of transformer layers on a copy of a 2-D
+// float32 or float64 array, kind "relu" or "gelu".
+template <typename T>
+py::array_t<T> activate_typed(const py::array& x, Activation kind) {
+  py::array_t<T, py::array::c_style | py::array::forcecast> src(x);
+  if (src.ndim() != 2) throw py::value_error("activate: x must be 2-D, got " + shape_string(src));
+  py::array_t<T> out({src.shape(0), src.shape(1)});
+  std::copy_n(src.data(), src.size(), out.mutable_data());
+  active_kernels(T()).activate(out.mutable_data(), src.shape(0), src.shape(1), src.shape(1), kind);
+  return out;
+}
+
 }  // namespace
 
 void register_testing(py::module_& testing) {
+  testing.def(
+      "activate",
+      [](const py::array& x, const std::string& kind) -> py::array {
+        Activation a;
+        if (kind == "relu")
+          a = Activation::kRelu;
+        else if (kind == "gelu")
+          a = Activation::kGelu;
+        else
+          throw py::value_error("activate: kind must be 'relu' or 'gelu', got '" + kind + "'");
+        if (is_dtype(x, py::dtype::of<double>())) return activate_typed<double>(x, a);
+        if (is_dtype(x, py::dtype::of<float>())) return activate_typed<float>(x, a);
+        throw py::type_error("activate: x must be float32 or float64");
+      },
+      py::arg("x"), py::arg("kind"),
+      "A copy of the 2-D float32 or float64 array x through the active kernel's activation\n"
+      "of transformer layers, kind 'relu' or 'gelu'.");
   testing.def("widen_16bit", &widen_16bit, py::arg("src"), py::arg("format"),
               "float32 copy of a 1-D uint16 array of float16 or bfloat16 bits, widened by the "
               "active kernel.");

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "attnx/activation.h"
 #include "attnx/runtime.h"
 
 namespace attnx {
@@ -146,6 +147,16 @@ struct KernelTable {
                           int64_t n_keys, int64_t dim, T scale, T* const* dst, bool stream);
   void (*accumulate_pv_16bit[2])(const T* const* p, int rows, const uint16_t* v, int64_t ldv,
                                  int64_t n_keys, int64_t dim, T* const* acc, bool stream);
+
+  // Transformer layers.
+  // x[r * ld + j] = kind(x[r * ld + j]) for r < rows, j < cols (any count).
+  void (*activate)(T* x, int64_t rows, int64_t ld, int64_t cols, Activation kind);
+  // One row of n values: s = x + y (x alone where y is null); sum_out = s
+  // where given; out = (s - mean) / sqrt(var + eps) * weight + bias where
+  // given, mean and (biased) variance over the row, weight and bias optional.
+  // out may be x or y, and sum_out x.
+  void (*add_layer_norm)(const T* x, const T* y, int64_t n, const T* weight, const T* bias,
+                         T eps, T* sum_out, T* out);
 };
 
 const KernelTable<float>& scalar_kernels_f32();

@@ -7,6 +7,7 @@ The extension keeps them apart from its other functions, in its submodule
 
 from ._core import _testing as _hooks
 
+activate = _hooks.activate
 trace_balanced_loop = _hooks.trace_balanced_loop
 widen_16bit = _hooks.widen_16bit
 narrow_16bit = _hooks.narrow_16bit
@@ -19,6 +20,7 @@ kernel_facts = _hooks.kernel_facts
 planner_constants = _hooks.planner_constants
 
 __all__ = [
+    "activate",
     "fail_next_step",
     "run_mha",
     "kernel_facts",

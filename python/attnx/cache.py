@@ -6,6 +6,9 @@ own length, so a batch may be ragged, and a slot can be reset and reused for a
 new sequence (continuous batching). :func:`attnx.cached_attention` and
 :meth:`attnx.MultiheadAttention.step` read the storage in place: the cache is
 never copied, and keys past a sequence's length are never read.
+
+:class:`TransformerDecoderCache` holds a :class:`KVCache` per layer of a
+:class:`attnx.TransformerDecoder`, and the keys and values of its memory.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
 
     from ._typing import FloatArray, IntArray
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "TransformerDecoderCache"]
 
 
 def _storage_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
@@ -403,3 +406,89 @@ class KVCache:
         lengths = np.array2string(self._lengths, separator=", ", threshold=8, edgeitems=3)
         args.append(f"lengths={lengths}")
         return f"{type(self).__name__}({', '.join(args)})"
+
+
+class TransformerDecoderCache:
+    """The decoding state of an :class:`attnx.TransformerDecoder`: made by its ``new_cache``.
+
+    Each layer's self-attention keeps the keys and values of the tokens decoded so far in a
+    :class:`KVCache` of its own (``layers``); the keys and values its cross-attention reads from
+    the memory are projected at the first step and kept while the steps' memory has the same
+    values (a different memory is projected anew).
+
+    Parameters
+    ----------
+    num_layers : int
+        Layers of the decoder.
+    batch, num_heads, max_len, head_dim : int
+        As :class:`KVCache`'s ``batch``, ``num_kv_heads``, ``max_len`` and ``head_dim``.
+    dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, default numpy.float32
+        Storage dtype of the keys and values.
+
+    Attributes
+    ----------
+    layers : list of KVCache
+        One per layer, in order.
+    lengths : ndarray of int64, shape (batch,)
+        Tokens held per sequence (a read-only view; every layer holds as many).
+    batch, max_len : int
+    dtype : numpy.dtype
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> cache = attnx.TransformerDecoderCache(2, batch=3, num_heads=4, max_len=16, head_dim=8)
+    >>> cache
+    TransformerDecoderCache(num_layers=2, batch=3, max_len=16, dtype=float32, lengths=[0, 0, 0])
+    """
+
+    def __init__(
+        self, num_layers: int, batch: int, num_heads: int, max_len: int, head_dim: int,
+        dtype: npt.DTypeLike = np.float32,
+    ) -> None:
+        num_layers = as_positive_int(num_layers, "num_layers")
+        self.layers = [KVCache(batch, num_heads, max_len, head_dim, dtype) for _ in range(num_layers)]
+        self._memory: tuple[np.ndarray[Any, Any], list[Any]] | None = None
+
+    @property
+    def lengths(self) -> IntArray:
+        return self.layers[0].lengths
+
+    @property
+    def batch(self) -> int:
+        return self.layers[0].batch
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].max_len
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.layers[0].dtype
+
+    def reset(self, index: SupportsIndex | None = None) -> None:
+        """Empty every sequence, or the slot ``index`` only, in every layer (see
+        :meth:`KVCache.reset`). Resetting every sequence also forgets the memory's keys and
+        values."""
+        for layer in self.layers:
+            layer.reset(index)
+        if index is None:
+            self._memory = None
+
+    def _memory_keys_values(self, memory: np.ndarray[Any, Any], project: Any) -> list[Any]:
+        """Each layer's (keys, values) over `memory`: those kept if `memory` has the values of
+        the last one, else ``project()``'s, kept from now on."""
+        kept = self._memory
+        if kept is not None and kept[0].shape == memory.shape and kept[0].dtype == memory.dtype:
+            if np.array_equal(kept[0], memory):
+                return kept[1]
+        projections = project()
+        self._memory = (memory.copy(), projections)
+        return projections
+
+    def __repr__(self) -> str:
+        lengths = np.array2string(self.lengths, separator=", ", threshold=8, edgeitems=3)
+        return (
+            f"{type(self).__name__}(num_layers={len(self.layers)}, batch={self.batch}, "
+            f"max_len={self.max_len}, dtype={self.dtype.name}, lengths={lengths})"
+        )

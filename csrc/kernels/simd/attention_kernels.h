@@ -3,10 +3,11 @@
 // which is compiled with that instruction set's flags. Include it nowhere
 // else: the code must only ever be compiled for the ISA that runs it.
 //
-// The kernels come in four parts, each a struct of static functions over
+// The kernels come in five parts, each a struct of static functions over
 // `Vec`: the register-tiled gemm (gemm_kernels.h), the softmax steps
 // (softmax_kernels.h), the row kernels for a few queries against many keys
-// (row_kernels.h) and the passes over whole arrays (array_kernels.h).
+// (row_kernels.h), the passes over whole arrays (array_kernels.h) and those
+// of transformer layers (layer_kernels.h).
 // Kernels<Vec> gathers them into the ISA's KernelTable.
 #pragma once
 
@@ -15,6 +16,7 @@
 #include "kernels/kernel_table.h"
 #include "kernels/simd/array_kernels.h"
 #include "kernels/simd/gemm_kernels.h"
+#include "kernels/simd/layer_kernels.h"
 #include "kernels/simd/row_kernels.h"
 #include "kernels/simd/softmax_kernels.h"
 
@@ -28,6 +30,7 @@ struct Kernels {
   using Softmax = SoftmaxKernels<Vec>;
   using Rows = RowKernels<Vec>;
   using Arrays = ArrayKernels<Vec>;
+  using Layers = LayerKernels<Vec>;
   using Stored = typename Rows::Stored;
 
   static KernelTable<T> table(const char* name, Isa isa) {
@@ -56,7 +59,9 @@ struct Kernels {
                      nullptr,
                      nullptr,
                      {nullptr, nullptr},
-                     {nullptr, nullptr}};
+                     {nullptr, nullptr},
+                     Layers::activate,
+                     Layers::add_layer_norm};
     if constexpr (Vec::kWidens16) {
       t.widen_float16 = Arrays::widen_float16;
       t.widen_bfloat16 = Arrays::widen_bfloat16;

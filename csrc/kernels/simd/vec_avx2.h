@@ -9,6 +9,7 @@
 
 #include "kernels/simd/hold_register.h"
 #include "kernels/simd/vec_exp.h"
+#include "kernels/simd/vec_gelu.h"
 #include "kernels/simd/vec_tanh.h"
 
 namespace attnx::simd {
@@ -168,6 +169,9 @@ struct Avx2F32 {
   static V exp(V x) { return vector_exp<Avx2F32>(x); }
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V tanh_times(V y, T c) { return vector_tanh_times_f32<Avx2F32>(y, c); }
+  static V gelu(V x) { return vector_gelu_f32<Avx2F32>(x); }
+  // max(x, 0), a NaN passing through (max's second operand).
+  static V relu(V x) { return max(zero(), x); }
   static V exp2(V x) { return vector_exp2<Avx2F32>(x); }
   static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx2F32>(x); }
   // In-register transpose of 8 rows of 8.
@@ -289,6 +293,9 @@ struct Avx2F64 {
   static V scale_where(Mask keep, V p, V n) { return _mm256_and_pd(scale(p, n), keep); }
   static V exp(V x) { return vector_exp<Avx2F64>(x); }
   static V tanh_times(V y, T c) { return lanewise_tanh_times<Avx2F64>(y, c); }
+  static V gelu(V x) { return lanewise_gelu<Avx2F64>(x); }
+  // max(x, 0), a NaN passing through (max's second operand).
+  static V relu(V x) { return max(zero(), x); }
   static V exp2(V x) { return vector_exp2<Avx2F64>(x); }
   static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx2F64>(x); }
   // In-register transpose of 4 rows of 4.

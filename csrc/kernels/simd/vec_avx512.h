@@ -9,6 +9,7 @@
 
 #include "kernels/simd/hold_register.h"
 #include "kernels/simd/vec_exp.h"
+#include "kernels/simd/vec_gelu.h"
 #include "kernels/simd/vec_tanh.h"
 
 namespace attnx::simd {
@@ -132,6 +133,9 @@ struct Avx512F32 {
   static V exp(V x) { return vector_exp<Avx512F32>(x); }
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V tanh_times(V y, T c) { return vector_tanh_times_f32<Avx512F32>(y, c); }
+  static V gelu(V x) { return vector_gelu_f32<Avx512F32>(x); }
+  // max(x, 0), a NaN passing through (max's second operand).
+  static V relu(V x) { return max(zero(), x); }
   static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx512F32>(x); }
   // In-register transpose of 16 rows of 16: r[i][j] <- r[j][i].
   static void transpose(V (&r)[16]) {
@@ -235,6 +239,9 @@ struct Avx512F64 {
   static V scale_where(Mask keep, V p, V n) { return _mm512_maskz_scalef_pd(keep, p, n); }
   static V exp(V x) { return vector_exp<Avx512F64>(x); }
   static V tanh_times(V y, T c) { return lanewise_tanh_times<Avx512F64>(y, c); }
+  static V gelu(V x) { return lanewise_gelu<Avx512F64>(x); }
+  // max(x, 0), a NaN passing through (max's second operand).
+  static V relu(V x) { return max(zero(), x); }
   static V exp2_nonpositive(V x) { return vector_exp2_nonpositive<Avx512F64>(x); }
   // In-register transpose of 8 rows of 8.
   static void transpose(V (&r)[8]) {

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/simd/vec_gelu.h"
+
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
 // copy of it may be merged with another built for a different one.
@@ -161,6 +163,14 @@ struct Portable {
   // c tanh(x)
   static V tanh_times(V x, T c) {
     return map([&](int i) { return c * std::tanh(x.lane[i]); });
+  }
+  // max(x, 0); NaN stays NaN
+  static V relu(V x) {
+    return map([&](int i) { return x.lane[i] < T(0) ? T(0) : x.lane[i]; });
+  }
+  // x Phi(x)
+  static V gelu(V x) {
+    return map([&](int i) { return scalar_gelu(x.lane[i]); });
   }
   static void transpose(V (&r)[W]) {
     for (int i = 0; i < W; ++i)

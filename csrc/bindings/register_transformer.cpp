@@ -1,0 +1,340 @@
+// The bindings of transformer layers: their checked parameters
+// (_core.TransformerLayerWeights) and one layer's forward pass or decoding
+// step (_core.transformer_layer). attnx._layers makes the canonical
+// arguments: the masks as additive (N, H, L, S) views, the inputs in the
+// weights' dtype.
+//
+// Releasing the GIL is safe: the core touches no Python object (a Python
+// activation is called with the GIL taken back), and the py::array arguments
+// keep every buffer alive until the call returns.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "attnx/transformer.h"
+#include "bindings/array_views.h"
+#include "bindings/mha_weights.h"
+
+namespace attnx::bindings {
+namespace {
+
+// A new ndarray over the same memory, which only these weights reference:
+// its shape and strides stay the ones checked.
+py::array own_view(const py::handle& h, const char* name) {
+  if (!py::isinstance<py::array>(h))
+    throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " +
+                         std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+  return py::reinterpret_borrow<py::array>(h).attr("view")();
+}
+OptArray optional_own_view(const py::handle& h, const char* name) {
+  return h.is_none() ? OptArray() : OptArray(own_view(h, name));
+}
+
+// The parameters of one encoder or decoder layer, checked once. The
+// attention blocks are MhaWeights (kept alive here); the linear layers and
+// norms are views of the caller's arrays, whose values written in place are
+// seen by the next call.
+class TransformerLayerWeights {
+ public:
+  TransformerLayerWeights(py::object self_attn, py::object cross_attn, const py::tuple& linear1,
+                          const py::tuple& linear2, const py::tuple& norms, double eps,
+                          bool norm_first, py::object activation)
+      : self_attn_(std::move(self_attn)),
+        cross_attn_(std::move(cross_attn)),
+        eps_(eps),
+        norm_first_(norm_first),
+        activation_(std::move(activation)) {
+    const MhaWeights& sa = self_attn_.cast<const MhaWeights&>();
+    const int64_t E = sa.embed_dim();
+    if (sa.kdim() != E || sa.vdim() != E || sa.out_dim() != E || sa.bias_kv() ||
+        sa.add_zero_attn())
+      throw py::value_error("self_attn: expected self-attention of width d_model = " +
+                            std::to_string(E) + " without bias_k/bias_v or zero attention");
+    if (!cross_attn_.is_none()) {
+      const MhaWeights& ca = cross_attn_.cast<const MhaWeights&>();
+      if (ca.embed_dim() != E || ca.kdim() != E || ca.vdim() != E || ca.out_dim() != E ||
+          ca.bias_kv() || ca.add_zero_attn() || ca.is_double() != sa.is_double())
+        throw py::value_error("multihead_attn: expected attention of width d_model = " +
+                              std::to_string(E) + " in self_attn's dtype");
+    }
+    if (linear1.size() != 2 || linear2.size() != 2)
+      throw py::value_error("linear1, linear2: expected (weight, bias or None)");
+    w1_ = own_view(linear1[0], "linear1.weight"), b1_ = optional_own_view(linear1[1], "linear1.bias");
+    w2_ = own_view(linear2[0], "linear2.weight"), b2_ = optional_own_view(linear2[1], "linear2.bias");
+    norm_count_ = static_cast<int>(norms.size());
+    if (norm_count_ != (cross_attn_.is_none() ? 2 : 3))
+      throw py::value_error("norms: expected 2 (encoder layers) or 3 (decoder layers)");
+    for (int i = 0; i < norm_count_; ++i) {
+      const auto pair = norms[i].cast<py::tuple>();
+      if (pair.size() != 2) throw py::value_error("norms: expected (weight or None, bias or None)");
+      norm_w_[i] = optional_own_view(pair[0], "norm weight");
+      norm_b_[i] = optional_own_view(pair[1], "norm bias");
+    }
+    if (!(eps_ > 0)) throw py::value_error("layer_norm_eps must be > 0");
+    if (py::isinstance<py::str>(activation_)) {
+      const std::string name = activation_.cast<std::string>();
+      if (name == "relu")
+        kind_ = Activation::kRelu;
+      else if (name == "gelu")
+        kind_ = Activation::kGelu;
+      else
+        throw py::value_error("activation: expected \"relu\", \"gelu\" or a callable, got \"" +
+                              name + "\"");
+    } else if (PyCallable_Check(activation_.ptr())) {
+      kind_ = Activation::kNone;
+    } else {
+      throw py::type_error("activation: expected \"relu\", \"gelu\" or a callable");
+    }
+    if (sa.is_double())
+      check<double>(E);
+    else
+      check<float>(E);
+  }
+
+  const MhaWeights& self_attn() const { return self_attn_.cast<const MhaWeights&>(); }
+  bool decoder() const { return !cross_attn_.is_none(); }
+  bool is_double() const { return self_attn().is_double(); }
+  int64_t d_model() const { return self_attn().embed_dim(); }
+  int64_t num_heads() const { return self_attn().num_heads(); }
+  int64_t dim_feedforward() const { return w1_.shape(0); }
+  bool custom_activation() const { return kind_ == Activation::kNone; }
+  const py::object& activation() const { return activation_; }
+
+  template <typename T>
+  TransformerLayerParams<T> params() const {
+    TransformerLayerParams<T> p;
+    p.self_attn = self_attn().params<T>();
+    if (decoder()) p.cross_attn = cross_attn_.cast<const MhaWeights&>().params<T>();
+    p.has_cross = decoder();
+    p.ff.w1 = matrix_view<T>(w1_, "linear1.weight");
+    p.ff.w2 = matrix_view<T>(w2_, "linear2.weight");
+    p.ff.b1 = data_of<T>(b1_), p.ff.b2 = data_of<T>(b2_);
+    p.ff.activation = kind_;
+    for (int i = 0; i < norm_count_; ++i) {
+      p.norms[i].weight = data_of<T>(norm_w_[i]);
+      p.norms[i].bias = data_of<T>(norm_b_[i]);
+      p.norms[i].eps = static_cast<T>(eps_);
+    }
+    p.norm_first = norm_first_;
+    return p;
+  }
+
+ private:
+  template <typename T>
+  void check(int64_t E) {
+    const RowMajorView<const T> w1 = matrix_view<T>(w1_, "linear1.weight");
+    const RowMajorView<const T> w2 = matrix_view<T>(w2_, "linear2.weight");
+    if (w1.cols != E || w2.rows != E || w2.cols != w1.rows)
+      throw py::value_error("linear1.weight " + shape_string(w1_) + " and linear2.weight " +
+                            shape_string(w2_) + ": expected (dim_feedforward, " +
+                            std::to_string(E) + ") and (" + std::to_string(E) +
+                            ", dim_feedforward)");
+    vector_data<T>(b1_, "linear1.bias", w1.rows);
+    vector_data<T>(b2_, "linear2.bias", E);
+    for (int i = 0; i < norm_count_; ++i) {
+      vector_data<T>(norm_w_[i], "norm weight", E);
+      vector_data<T>(norm_b_[i], "norm bias", E);
+    }
+  }
+
+  template <typename T>
+  static const T* data_of(const OptArray& a) {
+    return a ? static_cast<const T*>(a->data()) : nullptr;
+  }
+
+  py::object self_attn_, cross_attn_;
+  py::array w1_, w2_;
+  OptArray b1_, b2_;
+  OptArray norm_w_[3], norm_b_[3];
+  int norm_count_ = 0;
+  double eps_;
+  bool norm_first_;
+  py::object activation_;
+  Activation kind_ = Activation::kRelu;
+};
+
+// A 3-D array of T seen as (N, L, E): as it is with batch_first, else
+// (L, N, E) with its first two dims swapped.
+template <typename T>
+StridedView<const T, 3> batch_view(const py::array& a, const char* name, bool batch_first) {
+  StridedView<const T, 3> v = const_view<T, 3>(a, name);
+  if (!batch_first) {
+    std::swap(v.shape[0], v.shape[1]);
+    std::swap(v.stride[0], v.stride[1]);
+  }
+  return v;
+}
+
+// The (attn_mask, key_padding_mask) pair of one block, None or each None or
+// an additive (N, H, L, S) view.
+template <typename T>
+BlockMasks<T> block_masks(const py::object& pair, bool causal, const char* name, int64_t N,
+                          int64_t H, int64_t L, int64_t S, OptArray (&keep)[kMaxMasks]) {
+  BlockMasks<T> m;
+  m.causal = causal;
+  if (pair.is_none()) return m;
+  const auto masks = pair.cast<py::tuple>();
+  if (masks.size() != kMaxMasks)
+    throw py::value_error(std::string(name) + ": expected (attn_mask, key_padding_mask)");
+  for (int k = 0; k < kMaxMasks; ++k) {
+    if (masks[k].is_none()) continue;
+    keep[k] = masks[k].cast<py::array>();
+    m.masks[k] = const_view<T, 4>(*keep[k], name, false);
+    require_shape(m.masks[k], name, {N, H, L, S});
+  }
+  return m;
+}
+
+template <typename T>
+py::array transformer_layer_typed(const TransformerLayerWeights& w, const py::array& x,
+                                  const py::object& memory, const py::object& self_masks,
+                                  const py::object& cross_masks, bool batch_first,
+                                  bool self_causal, bool cross_causal,
+                                  const py::object& final_norm, const py::object& cache,
+                                  const py::object& memory_kv) {
+  TransformerLayerArgs<T> a;
+  a.params = w.params<T>();
+  a.x = batch_view<T>(x, "x", batch_first);
+  const int64_t N = a.x.shape[0], L = a.x.shape[1], E = w.d_model(), H = w.num_heads();
+  if (a.x.shape[2] != E)
+    throw py::value_error("x: " + std::to_string(a.x.shape[2]) + " features, expected d_model = " +
+                          std::to_string(E));
+  py::array memory_array;
+  int64_t S = 0;
+  if (w.decoder()) {
+    if (memory.is_none()) throw py::value_error("memory: a decoder layer needs one");
+    memory_array = memory.cast<py::array>();
+    a.memory = batch_view<T>(memory_array, "memory", batch_first);
+    S = a.memory.shape[1];
+    if (a.memory.shape[0] != N || a.memory.shape[2] != E)
+      throw py::value_error("memory: shape " + shape_string(memory_array) +
+                            " does not match x " + shape_string(x));
+  } else if (!memory.is_none()) {
+    throw py::value_error("memory: an encoder layer takes none");
+  }
+  OptArray kept[2][kMaxMasks];
+  CacheArrays cache_arrays_;
+  py::array memory_kv_arrays[2];
+  if (!cache.is_none()) {
+    cache_arrays_ = cache_arrays(cache);
+    const CacheArrays& c = cache_arrays_;
+    if (c.heads != H || c.head_dim != E / H || c.value_dim != E / H || c.batch != N)
+      throw py::value_error("cache: expected " + std::to_string(N) + " sequences of " +
+                            std::to_string(H) + " heads of " + std::to_string(E / H));
+    for (int64_t b = 0; b < N; ++b)
+      if (c.lengths[b] + L > c.max_len)
+        throw py::value_error("cache: a sequence would grow past max_len");
+    if (!self_masks.is_none() || self_causal)
+      throw py::value_error("self_masks: a decoding step takes none (it is causal)");
+    a.self_cache = &cache_arrays_;
+    if (w.decoder()) {
+      if (memory_kv.is_none()) throw py::value_error("memory_kv: a decoding step needs them");
+      const auto kv = memory_kv.cast<py::tuple>();
+      if (kv.size() != 2) throw py::value_error("memory_kv: expected (keys, values)");
+      for (int i = 0; i < 2; ++i) memory_kv_arrays[i] = kv[i].cast<py::array>();
+      a.memory_keys = const_view<T, 4>(memory_kv_arrays[0], "memory keys");
+      a.memory_values = const_view<T, 4>(memory_kv_arrays[1], "memory values");
+      require_shape(a.memory_keys, "memory keys", {N, H, S, E / H});
+      require_shape(a.memory_values, "memory values", {N, H, S, E / H});
+    }
+  } else if (!memory_kv.is_none()) {
+    throw py::value_error("memory_kv: only a decoding step takes them");
+  }
+  a.self_masks = block_masks<T>(self_masks, self_causal, "self-attention mask", N, H, L, L, kept[0]);
+  if (w.decoder())
+    a.cross_masks = block_masks<T>(cross_masks, cross_causal, "memory mask", N, H, L, S, kept[1]);
+  else if (!cross_masks.is_none() || cross_causal)
+    throw py::value_error("cross_masks: an encoder layer takes none");
+
+  LayerNormParams<T> final_params;
+  OptArray final_arrays[2];
+  if (!final_norm.is_none()) {
+    const auto f = final_norm.cast<py::tuple>();
+    if (f.size() != 3) throw py::value_error("final_norm: expected (weight, bias, eps)");
+    for (int i = 0; i < 2; ++i)
+      if (!f[i].is_none()) final_arrays[i] = f[i].cast<py::array>();
+    final_params.weight = vector_data<T>(final_arrays[0], "norm.weight", E);
+    final_params.bias = vector_data<T>(final_arrays[1], "norm.bias", E);
+    final_params.eps = f[2].cast<T>();
+    if (!(final_params.eps > 0)) throw py::value_error("norm.eps must be > 0");
+    a.final_norm = &final_params;
+  }
+
+  py::array_t<T> out(batch_first ? std::vector<py::ssize_t>{N, L, E}
+                                 : std::vector<py::ssize_t>{L, N, E});
+  a.out.data = out.mutable_data();
+  a.out.shape[0] = N, a.out.shape[1] = L, a.out.shape[2] = E;
+  a.out.stride[0] = batch_first ? L * E : E;
+  a.out.stride[1] = batch_first ? E : N * E;
+  a.out.stride[2] = 1;
+
+  if (w.custom_activation()) {
+    // The hidden rows go to the Python callable as an array of their own;
+    // its result, of the same shape, comes back in their place.
+    const py::object& fn = w.activation();
+    a.activate = [&fn](T* hidden, int64_t rows, int64_t cols) {
+      py::gil_scoped_acquire gil;
+      py::array_t<T> h({rows, cols});
+      std::memcpy(h.mutable_data(), hidden, size_t(rows * cols) * sizeof(T));
+      const py::object result = fn(h);
+      const auto r = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(result);
+      if (!r || r.ndim() != 2 || r.shape(0) != rows || r.shape(1) != cols)
+        throw py::value_error("activation: the callable must return an array of the shape it "
+                              "was given, (" + std::to_string(rows) + ", " +
+                              std::to_string(cols) + ")");
+      std::memcpy(hidden, r.data(), size_t(rows * cols) * sizeof(T));
+    };
+  }
+  {
+    py::gil_scoped_release release;
+    transformer_layer_forward(a);
+  }
+  return std::move(out);
+}
+
+}  // namespace
+
+void register_transformer(py::module_& m) {
+  py::class_<TransformerLayerWeights>(
+      m, "TransformerLayerWeights",
+      "The parameters of a transformer encoder or decoder layer, checked once.")
+      .def(py::init<py::object, py::object, const py::tuple&, const py::tuple&, const py::tuple&,
+                    double, bool, py::object>(),
+           py::arg("self_attn"), py::arg("cross_attn"), py::arg("linear1"), py::arg("linear2"),
+           py::arg("norms"), py::arg("eps"), py::arg("norm_first"), py::arg("activation"))
+      .def_property_readonly("d_model", &TransformerLayerWeights::d_model)
+      .def_property_readonly("num_heads", &TransformerLayerWeights::num_heads)
+      .def_property_readonly("dim_feedforward", &TransformerLayerWeights::dim_feedforward)
+      .def_property_readonly("decoder", &TransformerLayerWeights::decoder)
+      .def_property_readonly("is_double", &TransformerLayerWeights::is_double);
+  m.def(
+      "transformer_layer",
+      [](const TransformerLayerWeights& w, const py::array& x, const py::object& memory,
+         const py::object& self_masks, const py::object& cross_masks, bool batch_first,
+         bool self_causal, bool cross_causal, const py::object& final_norm,
+         const py::object& cache, const py::object& memory_kv) -> py::array {
+        return w.is_double()
+                   ? transformer_layer_typed<double>(w, x, memory, self_masks, cross_masks,
+                                                     batch_first, self_causal, cross_causal,
+                                                     final_norm, cache, memory_kv)
+                   : transformer_layer_typed<float>(w, x, memory, self_masks, cross_masks,
+                                                    batch_first, self_causal, cross_causal,
+                                                    final_norm, cache, memory_kv);
+      },
+      py::arg("weights"), py::arg("x"), py::arg("memory"), py::arg("self_masks"),
+      py::arg("cross_masks"), py::arg("batch_first"), py::arg("self_causal"),
+      py::arg("cross_causal"), py::arg("final_norm"), py::arg("cache"), py::arg("memory_kv"),
+      "One transformer layer: x (N, L, E), or (L, N, E) unless batch_first, in the weights'\n"
+      "dtype; memory likewise for decoder layers; the masks of each block None or\n"
+      "(attn_mask, key_padding_mask), each None or additive (N, H, L, S); final_norm None or\n"
+      "(weight, bias, eps). With a KVCache, one decoding step of the self-attention over it\n"
+      "(lengths grown on success) and memory_kv = the memory's projected (keys, values),\n"
+      "(N, H, S, E / H). Returns the layer's output in x's layout.");
+}
+
+}  // namespace attnx::bindings

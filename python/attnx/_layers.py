@@ -1,0 +1,196 @@
+"""One call into the core per transformer layer: the canonical arguments of
+``_core.transformer_layer``.
+
+The classes of :mod:`attnx.transformer` check their arguments and lay out their inputs (3-D, in
+the layer's dtype and layout); these functions turn the layer's parameters into a
+``_core.TransformerLayerWeights`` (kept while the parameters are the same arrays), the masks
+into additive ``(N, H, L, S)`` views, and run the layer, its stack's final norm included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from ._arrays import as_array, shape_str
+from ._canonical import mha_masks
+from .cache import KVCache
+
+_COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def compute_dtype(layer: Any) -> np.dtype[Any]:
+    """float64 for float64 layers, else float32 (half-precision parameters are storage)."""
+    return np.dtype(np.float64) if layer.self_attn.dtype == np.float64 else np.dtype(np.float32)
+
+
+def _parameter(a: Any, dtype: np.dtype[Any]) -> np.ndarray[Any, Any] | None:
+    """`a` itself where the core reads it in place (so values written into it are seen), else a
+    C-contiguous copy in `dtype`."""
+    if a is None:
+        return None
+    if type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned:
+        return a
+    return np.ascontiguousarray(a, dtype)
+
+
+def _norm_arrays(norm: Any) -> tuple[Any, Any]:
+    return norm.weight, norm.bias
+
+
+def layer_weights(layer: Any) -> _core.TransformerLayerWeights:
+    """The layer's parameters as the core takes them, kept on the layer while its attention
+    weights and its parameter arrays are the same objects."""
+    decoder = hasattr(layer, "multihead_attn")
+    self_attn = layer.self_attn._weights()
+    cross_attn = layer.multihead_attn._weights() if decoder else None
+    norms = (layer.norm1, layer.norm2, layer.norm3) if decoder else (layer.norm1, layer.norm2)
+    arrays = (layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias)
+    arrays += tuple(a for norm in norms for a in _norm_arrays(norm))
+    key = (self_attn, cross_attn, layer.activation, layer.norm_first, norms[0].eps) + arrays
+    kept = layer.__dict__.get("_core_weights")
+    if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
+        return kept[1]
+    dtype = compute_dtype(layer)
+    p = [_parameter(a, dtype) for a in arrays]
+    weights = _core.TransformerLayerWeights(
+        self_attn,
+        cross_attn,
+        (p[0], p[1]),
+        (p[2], p[3]),
+        tuple((p[i], p[i + 1]) for i in range(4, len(p), 2)),
+        float(norms[0].eps),
+        bool(layer.norm_first),
+        layer.activation,
+    )
+    if all(a is b for a, b in zip(p, arrays)):  # shared with the parameters: keep
+        layer.__dict__["_core_weights"] = (key, weights)
+    return weights
+
+
+def final_norm(norm: Any, dtype: np.dtype[Any]) -> tuple[Any, Any, float] | None:
+    """A stack's final norm as the core takes it: (weight, bias, eps), or None."""
+    if norm is None:
+        return None
+    return _parameter(norm.weight, dtype), _parameter(norm.bias, dtype), float(norm.eps)
+
+
+def _batch(x: np.ndarray[Any, Any], batch_first: bool) -> tuple[int, int]:
+    """(N, L) of a 3-D input in the layer's layout."""
+    return (x.shape[0], x.shape[1]) if batch_first else (x.shape[1], x.shape[0])
+
+
+def _block_masks(attn_mask: Any, key_padding_mask: Any, dtype: np.dtype[Any], N: int, H: int, L: int, S: int,
+                 names: tuple[str, str]) -> tuple[Any, Any] | None:
+    """A block's masks as additive (N, H, L, S) views, or None where it has none."""
+    if attn_mask is None and key_padding_mask is None:
+        return None
+    if attn_mask is not None:
+        attn_mask = as_array(attn_mask, names[0])
+    if key_padding_mask is not None:
+        key_padding_mask = as_array(key_padding_mask, names[1])
+    return mha_masks(attn_mask, key_padding_mask, dtype, True, N, H, L, S, names)
+
+
+def encoder_layer(layer: Any, src: np.ndarray[Any, Any], src_mask: Any, src_key_padding_mask: Any, is_causal: bool,
+                  norm: Any = None) -> np.ndarray[Any, Any]:
+    """One encoder layer (then `norm`, a stack's final norm, if given) on a 3-D `src` in the
+    layer's layout and compute dtype."""
+    weights = layer_weights(layer)
+    dtype = compute_dtype(layer)
+    N, L = _batch(src, layer.batch_first)
+    masks = _block_masks(src_mask, src_key_padding_mask, dtype, N, weights.num_heads, L, L,
+                         ("src_mask", "src_key_padding_mask"))
+    return _core.transformer_layer(
+        weights, src, None, masks, None, layer.batch_first, bool(is_causal) and src_mask is None, False,
+        final_norm(norm, dtype), None, None,
+    )
+
+
+def decoder_layer(layer: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any, Any], tgt_mask: Any, memory_mask: Any,
+                  tgt_key_padding_mask: Any, memory_key_padding_mask: Any, tgt_is_causal: bool,
+                  memory_is_causal: bool, norm: Any = None) -> np.ndarray[Any, Any]:
+    """One decoder layer (then `norm`, if given) on 3-D `tgt` and `memory` in the layer's layout
+    and compute dtype."""
+    weights = layer_weights(layer)
+    dtype = compute_dtype(layer)
+    N, L = _batch(tgt, layer.batch_first)
+    S = _batch(memory, layer.batch_first)[1]
+    H = weights.num_heads
+    self_masks = _block_masks(tgt_mask, tgt_key_padding_mask, dtype, N, H, L, L, ("tgt_mask", "tgt_key_padding_mask"))
+    cross_masks = _block_masks(memory_mask, memory_key_padding_mask, dtype, N, H, L, S,
+                               ("memory_mask", "memory_key_padding_mask"))
+    return _core.transformer_layer(
+        weights, tgt, memory, self_masks, cross_masks, layer.batch_first,
+        bool(tgt_is_causal) and tgt_mask is None, bool(memory_is_causal) and memory_mask is None,
+        final_norm(norm, dtype), None, None,
+    )
+
+
+def layer_norm(x: np.ndarray[Any, Any], norm: Any) -> np.ndarray[Any, Any]:
+    """`norm` over the last dim of `x` (a stack without layers: its norm alone), in NumPy."""
+    mean = x.mean(-1, keepdims=True)
+    y = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + norm.eps)
+    if norm.weight is not None:
+        y = y * norm.weight
+    if norm.bias is not None:
+        y = y + norm.bias
+    return y.astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def _memory_projections(layer: Any, memory: np.ndarray[Any, Any], batch_first: bool, dtype: np.dtype[Any]) -> tuple:
+    """The keys and values of a decoder layer's cross-attention over `memory`, (N, H, S, E / H)."""
+    mha = layer.multihead_attn
+    E, H = mha.embed_dim, mha.num_heads
+    rows = memory if batch_first else memory.transpose(1, 0, 2)
+    N, S = rows.shape[:2]
+    rows = np.ascontiguousarray(rows).reshape(N * S, E)
+    if mha.in_proj_weight is not None:
+        w = (mha.in_proj_weight[E : 2 * E], mha.in_proj_weight[2 * E :])
+    else:
+        w = (mha.k_proj_weight, mha.v_proj_weight)
+    b = (None, None) if mha.in_proj_bias is None else (mha.in_proj_bias[E : 2 * E], mha.in_proj_bias[2 * E :])
+    projected = []
+    for weight, bias in zip(w, b):
+        out = np.empty((N * S, E), dtype)
+        _core.linear(rows, np.ascontiguousarray(weight, dtype), None if bias is None else np.ascontiguousarray(bias, dtype), out)
+        projected.append(out.reshape(N, S, H, E // H).transpose(0, 2, 1, 3))
+    return tuple(projected)
+
+
+def decoder_step(decoder: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any, Any], cache: Any,
+                 memory_key_padding_mask: Any, memory_mask: Any) -> np.ndarray[Any, Any]:
+    """The stack's output at the new positions of `tgt` (3-D, the layers' layout and compute
+    dtype) over `cache`; the cache grows only where every layer succeeds."""
+    layers = decoder.layers
+    first = layers[0]
+    batch_first = first.batch_first
+    dtype = compute_dtype(first)
+    N, T = _batch(tgt, batch_first)
+    S = _batch(memory, batch_first)[1]
+    H = first.self_attn.num_heads
+    cross_masks = _block_masks(memory_mask, memory_key_padding_mask, dtype, N, H, T, S,
+                               ("memory_mask", "memory_key_padding_mask"))
+    memory_kv = cache._memory_keys_values(memory, lambda: [_memory_projections(layer, memory, batch_first, dtype) for layer in layers])
+    lengths = [c.storage().lengths for c in cache.layers]
+    before = [n.copy() for n in lengths]
+    norm = final_norm(decoder.norm, dtype)
+    x = tgt
+    try:
+        for i, layer in enumerate(layers):
+            x = _core.transformer_layer(
+                layer_weights(layer), x, memory, None, cross_masks, batch_first, False, False,
+                norm if i == len(layers) - 1 else None, cache.layers[i], memory_kv[i],
+            )
+    except BaseException:
+        for n, b in zip(lengths, before):
+            n[:] = b
+        raise
+    return x
