@@ -24,6 +24,9 @@ MODULES = [
     "attnx.functional",
     "attnx.modules",
     "attnx.reference",
+    "attnx.transformer",
+    "attnx._transformer_layers",
+    "attnx._layer_parts",
 ]
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

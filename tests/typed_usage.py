@@ -102,6 +102,40 @@ def decode() -> None:
     assert lengths_ref.shape == (2, 4, 1, 8)
 
 
+def transformer() -> None:
+    model = attnx.Transformer(16, 4, 1, 2, 32, 0.1, "gelu", batch_first=True, dtype="float64", seed=0)
+    same: attnx.Transformer = model.eval()
+    src = np.ones((2, 7, 16), np.float32)
+    tgt = np.ones((2, 3, 16), np.float32)
+    mask = attnx.Transformer.generate_square_subsequent_mask(3)
+    padding = np.zeros((2, 7), dtype=bool)
+    out = model(src, tgt, tgt_mask=mask, src_key_padding_mask=padding, memory_key_padding_mask=padding)
+    assert same is model and out.shape == (2, 3, 16) and out.dtype == np.float64
+
+    def swish(x: npt.NDArray[np.floating[Any]]) -> npt.NDArray[np.floating[Any]]:
+        y: npt.NDArray[np.floating[Any]] = x / (1.0 + np.exp(-x))
+        return y
+
+    layer = attnx.TransformerEncoderLayer(16, 4, 32, 0.0, swish, 1e-6, True, True, False, "cpu", None, seed=1)
+    encoder = attnx.TransformerEncoder(layer, 2, attnx.transformer.LayerNorm(16), enable_nested_tensor=False)
+    encoded = encoder.forward(src, mask=None, src_key_padding_mask=padding, is_causal=True)
+    decoder_layer = attnx.TransformerDecoderLayer(16, 4, dropout=0.0, batch_first=True)
+    decoder = attnx.TransformerDecoder(decoder_layer, 1)
+    decoded = decoder(tgt, encoded, tgt_is_causal=None, memory_is_causal=False)
+    single = layer(src[0], is_causal=False)
+    assert decoded.shape == tgt.shape and single.shape == (7, 16)
+    names: List[str] = [name for name, _ in decoder.named_parameters(prefix="decoder")]
+    state = encoder.state_dict()
+    result = attnx.TransformerEncoder(layer, 2, attnx.transformer.LayerNorm(16)).load_state_dict(state)
+    weight: npt.NDArray[np.floating[Any]] = decoder_layer.linear1.weight
+    bias: Optional[npt.NDArray[np.floating[Any]]] = decoder_layer.norm3.bias
+    assert names[0] == "decoder.layers.0.self_attn.in_proj_weight" and result.missing_keys == []
+    assert weight.shape == (2048, 16) and bias is not None and decoder_layer.batch_first is True
+    expected = reference.transformer_encoder_layer(src[0].astype(np.float64), layer.state_dict(), 4,
+                                                   activation=swish, layer_norm_eps=1e-6, norm_first=True)
+    assert np.allclose(single, expected, atol=1e-5)
+
+
 def runtime() -> None:
     threads: int = attnx.get_num_threads()
     attnx.set_num_threads(1)
@@ -117,6 +151,7 @@ def main() -> None:
     attend()
     module()
     decode()
+    transformer()
     runtime()
 
 

@@ -42,11 +42,10 @@ OptArray optional_own_view(const py::handle& h, const char* name) {
 class TransformerLayerWeights {
  public:
   TransformerLayerWeights(py::object self_attn, py::object cross_attn, const py::tuple& linear1,
-                          const py::tuple& linear2, const py::tuple& norms, double eps,
-                          bool norm_first, py::object activation)
+                          const py::tuple& linear2, const py::tuple& norms, bool norm_first,
+                          py::object activation)
       : self_attn_(std::move(self_attn)),
         cross_attn_(std::move(cross_attn)),
-        eps_(eps),
         norm_first_(norm_first),
         activation_(std::move(activation)) {
     const MhaWeights& sa = self_attn_.cast<const MhaWeights&>();
@@ -70,12 +69,14 @@ class TransformerLayerWeights {
     if (norm_count_ != (cross_attn_.is_none() ? 2 : 3))
       throw py::value_error("norms: expected 2 (encoder layers) or 3 (decoder layers)");
     for (int i = 0; i < norm_count_; ++i) {
-      const auto pair = norms[i].cast<py::tuple>();
-      if (pair.size() != 2) throw py::value_error("norms: expected (weight or None, bias or None)");
-      norm_w_[i] = optional_own_view(pair[0], "norm weight");
-      norm_b_[i] = optional_own_view(pair[1], "norm bias");
+      const auto norm = norms[i].cast<py::tuple>();
+      if (norm.size() != 3)
+        throw py::value_error("norms: expected (weight or None, bias or None, eps)");
+      norm_w_[i] = optional_own_view(norm[0], "norm weight");
+      norm_b_[i] = optional_own_view(norm[1], "norm bias");
+      eps_[i] = norm[2].cast<double>();
+      if (!(eps_[i] > 0)) throw py::value_error("layer norm eps must be > 0");
     }
-    if (!(eps_ > 0)) throw py::value_error("layer_norm_eps must be > 0");
     if (py::isinstance<py::str>(activation_)) {
       const std::string name = activation_.cast<std::string>();
       if (name == "relu")
@@ -118,7 +119,7 @@ class TransformerLayerWeights {
     for (int i = 0; i < norm_count_; ++i) {
       p.norms[i].weight = data_of<T>(norm_w_[i]);
       p.norms[i].bias = data_of<T>(norm_b_[i]);
-      p.norms[i].eps = static_cast<T>(eps_);
+      p.norms[i].eps = static_cast<T>(eps_[i]);
     }
     p.norm_first = norm_first_;
     return p;
@@ -152,7 +153,7 @@ class TransformerLayerWeights {
   OptArray b1_, b2_;
   OptArray norm_w_[3], norm_b_[3];
   int norm_count_ = 0;
-  double eps_;
+  double eps_[3] = {};
   bool norm_first_;
   py::object activation_;
   Activation kind_ = Activation::kRelu;
@@ -304,9 +305,9 @@ void register_transformer(py::module_& m) {
       m, "TransformerLayerWeights",
       "The parameters of a transformer encoder or decoder layer, checked once.")
       .def(py::init<py::object, py::object, const py::tuple&, const py::tuple&, const py::tuple&,
-                    double, bool, py::object>(),
+                    bool, py::object>(),
            py::arg("self_attn"), py::arg("cross_attn"), py::arg("linear1"), py::arg("linear2"),
-           py::arg("norms"), py::arg("eps"), py::arg("norm_first"), py::arg("activation"))
+           py::arg("norms"), py::arg("norm_first"), py::arg("activation"))
       .def_property_readonly("d_model", &TransformerLayerWeights::d_model)
       .def_property_readonly("num_heads", &TransformerLayerWeights::num_heads)
       .def_property_readonly("dim_feedforward", &TransformerLayerWeights::dim_feedforward)

@@ -9,6 +9,9 @@ multi_head_attention_forward
 MultiheadAttention
     ``torch.nn.MultiheadAttention`` (inference) with torch's parameter names
     and state_dict keys; ``step`` decodes with a KV cache.
+Transformer, TransformerEncoder, TransformerDecoder, TransformerEncoderLayer, TransformerDecoderLayer
+    ``torch.nn.Transformer`` and its stacks and layers (inference), with torch's
+    parameter names and state_dict keys (module :mod:`attnx.transformer`).
 KVCache
     Preallocated keys and values of a batch of sequences, for decoding.
 cached_attention, multi_head_attention_step
@@ -46,7 +49,7 @@ except ImportError as _error:
     ) from _error
 
 from ._runtime import get_num_threads, set_num_threads, show_config
-from .cache import KVCache
+from .cache import KVCache, TransformerDecoderCache
 from .functional import (
     cached_attention,
     multi_head_attention_forward,
@@ -54,6 +57,13 @@ from .functional import (
     scaled_dot_product_attention,
 )
 from .modules import MultiheadAttention
+from .transformer import (
+    Transformer,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 
 # After NumPy (imported above), which imports typing itself: `import attnx` stays as short.
 from typing import TYPE_CHECKING  # noqa: E402
@@ -63,6 +73,12 @@ __version__: str = _core.__version__
 __all__ = [
     "KVCache",
     "MultiheadAttention",
+    "Transformer",
+    "TransformerDecoder",
+    "TransformerDecoderCache",
+    "TransformerDecoderLayer",
+    "TransformerEncoder",
+    "TransformerEncoderLayer",
     "cached_attention",
     "get_num_threads",
     "multi_head_attention_forward",

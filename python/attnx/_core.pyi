@@ -101,6 +101,36 @@ def linear(
     b: npt.NDArray[np.floating[Any]] | None,
     out: npt.NDArray[np.floating[Any]],
 ) -> None: ...
+class TransformerLayerWeights:
+    def __init__(
+        self,
+        self_attn: MhaWeights,
+        cross_attn: MhaWeights | None,
+        linear1: tuple[Any, Any],
+        linear2: tuple[Any, Any],
+        norms: tuple[tuple[Any, Any, float], ...],
+        norm_first: bool,
+        activation: object,
+    ) -> None: ...
+    d_model: int
+    num_heads: int
+    dim_feedforward: int
+    decoder: bool
+    is_double: bool
+
+def transformer_layer(
+    weights: TransformerLayerWeights,
+    x: npt.NDArray[np.floating[Any]],
+    memory: npt.NDArray[np.floating[Any]] | None,
+    self_masks: tuple[Any, Any] | None,
+    cross_masks: tuple[Any, Any] | None,
+    batch_first: bool,
+    self_causal: bool,
+    cross_causal: bool,
+    final_norm: tuple[Any, Any, float] | None,
+    cache: object,
+    memory_kv: tuple[Any, Any] | None,
+) -> npt.NDArray[np.floating[Any]]: ...
 def active_isa() -> str: ...
 def cpu_isa() -> str: ...
 def compiled_isas() -> list[str]: ...
@@ -146,6 +176,8 @@ class _TestingModule:
     def widen_16bit(
         src: npt.NDArray[np.uint16], format: str
     ) -> npt.NDArray[np.float32]: ...
+    @staticmethod
+    def activate(x: npt.NDArray[np.floating[Any]], kind: str) -> npt.NDArray[np.floating[Any]]: ...
     @staticmethod
     def trace_balanced_loop(
         n: int, threads: int, microseconds: int = 0, slow_thread: int = -1,

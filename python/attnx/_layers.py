@@ -36,10 +36,6 @@ def _parameter(a: Any, dtype: np.dtype[Any]) -> np.ndarray[Any, Any] | None:
     return np.ascontiguousarray(a, dtype)
 
 
-def _norm_arrays(norm: Any) -> tuple[Any, Any]:
-    return norm.weight, norm.bias
-
-
 def layer_weights(layer: Any) -> _core.TransformerLayerWeights:
     """The layer's parameters as the core takes them, kept on the layer while its attention
     weights and its parameter arrays are the same objects."""
@@ -48,11 +44,12 @@ def layer_weights(layer: Any) -> _core.TransformerLayerWeights:
     cross_attn = layer.multihead_attn._weights() if decoder else None
     norms = (layer.norm1, layer.norm2, layer.norm3) if decoder else (layer.norm1, layer.norm2)
     arrays = (layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias)
-    arrays += tuple(a for norm in norms for a in _norm_arrays(norm))
-    key = (self_attn, cross_attn, layer.activation, layer.norm_first, norms[0].eps) + arrays
+    arrays += tuple(a for norm in norms for a in (norm.weight, norm.bias))
+    eps = tuple(float(norm.eps) for norm in norms)
+    key = (self_attn, cross_attn, layer.activation, layer.norm_first) + arrays
     kept = layer.__dict__.get("_core_weights")
-    if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
-        return kept[1]
+    if kept is not None and kept[1] == eps and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
+        return kept[2]
     dtype = compute_dtype(layer)
     p = [_parameter(a, dtype) for a in arrays]
     weights = _core.TransformerLayerWeights(
@@ -60,13 +57,12 @@ def layer_weights(layer: Any) -> _core.TransformerLayerWeights:
         cross_attn,
         (p[0], p[1]),
         (p[2], p[3]),
-        tuple((p[i], p[i + 1]) for i in range(4, len(p), 2)),
-        float(norms[0].eps),
+        tuple((p[4 + 2 * i], p[5 + 2 * i], eps[i]) for i in range(len(norms))),
         bool(layer.norm_first),
         layer.activation,
     )
     if all(a is b for a, b in zip(p, arrays)):  # shared with the parameters: keep
-        layer.__dict__["_core_weights"] = (key, weights)
+        layer.__dict__["_core_weights"] = (key, eps, weights)
     return weights
 
 

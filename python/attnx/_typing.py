@@ -8,7 +8,7 @@ subscriptable.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -16,6 +16,10 @@ import numpy.typing as npt
 #: A floating-point array: results are in the query's (or the module's) dtype,
 #: float32, float64, float16 or bfloat16.
 FloatArray = npt.NDArray[np.floating[Any]]
+
+#: A feed-forward activation of the transformer layers other than "relu" and "gelu": a function
+#: of a float32 or float64 array that gives an array of the same shape.
+ActivationFunction = Callable[[FloatArray], npt.ArrayLike]
 
 #: The int64 lengths of a KVCache.
 IntArray = npt.NDArray[np.int64]

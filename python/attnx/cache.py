@@ -447,7 +447,7 @@ class TransformerDecoderCache:
         dtype: npt.DTypeLike = np.float32,
     ) -> None:
         num_layers = as_positive_int(num_layers, "num_layers")
-        self.layers = [KVCache(batch, num_heads, max_len, head_dim, dtype) for _ in range(num_layers)]
+        self.layers: list[KVCache] = [KVCache(batch, num_heads, max_len, head_dim, dtype) for _ in range(num_layers)]
         self._memory: tuple[np.ndarray[Any, Any], list[Any]] | None = None
 
     @property
@@ -467,9 +467,14 @@ class TransformerDecoderCache:
         return self.layers[0].dtype
 
     def reset(self, index: SupportsIndex | None = None) -> None:
-        """Empty every sequence, or the slot ``index`` only, in every layer (see
-        :meth:`KVCache.reset`). Resetting every sequence also forgets the memory's keys and
-        values."""
+        """Empty every sequence, or the slot ``index`` only, in every layer.
+
+        Parameters
+        ----------
+        index : int, optional
+            The slot to empty, as :meth:`KVCache.reset` takes it; default all. Emptying every
+            sequence also forgets the memory's keys and values.
+        """
         for layer in self.layers:
             layer.reset(index)
         if index is None:

@@ -20,6 +20,10 @@ The semantics are PyTorch's (``torch.nn.functional.scaled_dot_product_attention`
   right)``; both are attnx additions (torch expresses them with explicit masks).
 * :func:`cached_attention` is attention over per-sequence prefixes of a key/value store, as
   :func:`attnx.cached_attention` computes it over an :class:`attnx.KVCache`.
+* :func:`transformer_encoder_layer` and :func:`transformer_decoder_layer` are one layer of
+  ``torch.nn.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` (their attention blocks
+  are :func:`multi_head_attention_forward`, with its rules above), and :func:`layer_norm` is
+  ``torch.nn.functional.layer_norm`` over the last dimension.
 * Dropout is not supported (this is an inference library).
 
 Only NumPy is imported.
@@ -28,16 +32,23 @@ Only NumPy is imported.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import FloatArray
+    from ._typing import ActivationFunction, FloatArray
 
-__all__ = ["scaled_dot_product_attention", "multi_head_attention_forward", "cached_attention"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "multi_head_attention_forward",
+    "cached_attention",
+    "layer_norm",
+    "transformer_encoder_layer",
+    "transformer_decoder_layer",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,3 +778,328 @@ def cached_attention(
             enable_gqa=True, window=window, softcap=softcap,
         )
     return output
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer layers
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_norm(
+    x: npt.ArrayLike,
+    weight: npt.ArrayLike | None,
+    bias: npt.ArrayLike | None,
+    eps: float,
+) -> FloatArray:
+    """Reference layer normalization over the last dimension, as ``torch.nn.functional.layer_norm``.
+
+    ``(x - mean) / sqrt(var + eps) * weight + bias``, with the mean and the biased variance
+    (divided by the width, not the width - 1) of each row of the last dimension.
+
+    Parameters
+    ----------
+    x : array_like, shape ``(..., E)``
+        Its dtype (float32 or float64) is the compute and result dtype.
+    weight : array_like, shape ``(E,)``, or None
+        Scales the normalized rows (None: no scaling).
+    bias : array_like, shape ``(E,)``, or None
+        Added after the scaling (None: nothing added).
+    eps : float
+        Added to the variance.
+
+    Returns
+    -------
+    ndarray, shape ``(..., E)``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import reference
+    >>> reference.layer_norm(np.array([[1.0, 3.0], [2.0, 2.0]]), None, None, 1e-5).round(4)
+    array([[-1.,  1.],
+           [ 0.,  0.]])
+    >>> reference.layer_norm(np.array([1.0, 3.0]), np.array([2.0, 1.0]), np.array([0.0, 10.0]), 0.0)
+    array([-2., 11.])
+    """
+    dtype = _compute_dtype(x)
+    x = _as_float(x, dtype, "x")
+    width = x.shape[-1] if x.ndim else 0
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and np.shape(p) != (width,):
+            raise ValueError(f"{name} has shape {np.shape(p)}, expected ({width},) for x of shape {x.shape}")
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        mean = x.mean(axis=-1, keepdims=True)
+        centered = x - mean
+        variance = (centered * centered).mean(axis=-1, keepdims=True)
+        y = centered / np.sqrt(variance + dtype.type(eps))
+    if weight is not None:
+        y = y * _as_float(weight, dtype, "weight")
+    if bias is not None:
+        y = y + _as_float(bias, dtype, "bias")
+    return y.astype(dtype, copy=False)
+
+
+# math.erf element by element: NumPy has no erf, and the reference needs the exact GELU.
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _activate(x, activation):
+    """The feed-forward activation: "relu", the exact (erf) "gelu", or a callable on arrays."""
+    if isinstance(activation, str):
+        if activation == "relu":
+            return np.maximum(x, x.dtype.type(0))
+        if activation == "gelu":
+            # torch's approximate="none": x * Phi(x), Phi the standard normal CDF.
+            erf = _erf(x.astype(np.float64) / math.sqrt(2.0)).astype(np.float64)
+            return (0.5 * x.astype(np.float64) * (1.0 + erf)).astype(x.dtype)
+        raise ValueError(f"activation must be 'relu', 'gelu' or a callable, got {activation!r}")
+    if not callable(activation):
+        raise TypeError(f"activation must be 'relu', 'gelu' or a callable, got {activation!r}")
+    y = np.asarray(activation(x))
+    if y.shape != x.shape:
+        raise ValueError(f"activation returned shape {y.shape} for an input of shape {x.shape}")
+    return _as_float(y, x.dtype, "activation's result")
+
+
+def _norm_eps(layer_norm_eps, count):
+    """One eps per LayerNorm of the layer (norm1, norm2[, norm3]): a float is every norm's."""
+    if isinstance(layer_norm_eps, (int, float, np.integer, np.floating)):
+        return (float(layer_norm_eps),) * count
+    eps = tuple(float(e) for e in layer_norm_eps)
+    if len(eps) != count:
+        raise ValueError(f"layer_norm_eps must be a float or {count} floats (one per norm), got {layer_norm_eps!r}")
+    return eps
+
+
+def _get(params, key, dtype, required=True):
+    """``params[key]`` in the compute dtype; None for an absent optional entry (a bias)."""
+    value = params.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"params has no {key!r} (torch's state_dict keys of the layer are expected)")
+        return None
+    return _as_float(value, dtype, key)
+
+
+def _norm(x, params, name, eps):
+    dtype = x.dtype
+    return layer_norm(x, _get(params, f"{name}.weight", dtype, False), _get(params, f"{name}.bias", dtype, False), eps)
+
+
+def _attention_block(query, memory, params, prefix, nhead, attn_mask, key_padding_mask, is_causal, batch_first):
+    """``params``' multi-head attention ``prefix`` from ``query`` to ``memory``: its output only."""
+    dtype = query.dtype
+    out, _ = multi_head_attention_forward(
+        query, memory, memory, query.shape[-1], nhead,
+        _get(params, prefix + "in_proj_weight", dtype), _get(params, prefix + "in_proj_bias", dtype, False),
+        None, None, False, 0.0,
+        _get(params, prefix + "out_proj.weight", dtype), _get(params, prefix + "out_proj.bias", dtype, False),
+        training=False, key_padding_mask=key_padding_mask, need_weights=False, attn_mask=attn_mask,
+        is_causal=bool(is_causal), batch_first=batch_first,
+    )
+    return out
+
+
+def _feed_forward(x, params, activation):
+    """linear2(activation(linear1(x)))."""
+    dtype = x.dtype
+    hidden = _linear(x, _get(params, "linear1.weight", dtype), _get(params, "linear1.bias", dtype, False))
+    return _linear(_activate(hidden, activation), _get(params, "linear2.weight", dtype),
+                   _get(params, "linear2.bias", dtype, False))
+
+
+def transformer_encoder_layer(
+    src: npt.ArrayLike,
+    params: Mapping[str, npt.ArrayLike],
+    nhead: int,
+    *,
+    src_mask: npt.ArrayLike | None = None,
+    src_key_padding_mask: npt.ArrayLike | None = None,
+    is_causal: bool = False,
+    activation: str | ActivationFunction = "relu",
+    layer_norm_eps: float | Sequence[float] = 1e-5,
+    norm_first: bool = False,
+    batch_first: bool = False,
+) -> FloatArray:
+    """Reference ``torch.nn.TransformerEncoderLayer`` forward pass (inference: no dropout).
+
+    Post-norm (the default)::
+
+        x = norm1(x + self_attn(x))
+        x = norm2(x + linear2(activation(linear1(x))))
+
+    and with ``norm_first``::
+
+        x = x + self_attn(norm1(x))
+        x = x + linear2(activation(linear1(norm2(x))))
+
+    where ``self_attn(y)`` is :func:`multi_head_attention_forward` of ``y`` to itself with
+    the masks.
+
+    Parameters
+    ----------
+    src : array_like, shape ``(L, N, E)``, ``(N, L, E)`` with ``batch_first``, or ``(L, E)``
+        Its dtype (float32 or float64) is the compute and result dtype.
+    params : mapping of str to array_like
+        The layer's parameters under torch's state_dict keys: ``self_attn.in_proj_weight``,
+        ``self_attn.in_proj_bias``, ``self_attn.out_proj.weight``,
+        ``self_attn.out_proj.bias``, ``linear1.weight``, ``linear1.bias``,
+        ``linear2.weight``, ``linear2.bias``, ``norm1.weight``, ``norm1.bias``,
+        ``norm2.weight``, ``norm2.bias``. Absent biases (torch's ``bias=False``) are
+        left out.
+    nhead : int
+        Number of attention heads.
+    src_mask : array_like, shape ``(L, L)`` or ``(N * nhead, L, L)``, optional, keyword-only
+        Bool: True means *not* allowed to attend; float: added to the scores.
+    src_key_padding_mask : array_like, shape ``(N, L)`` (``(L,)`` unbatched), optional, keyword-only
+        Bool: True means the key is padding; float: added to the scores.
+    is_causal : bool, default False, keyword-only
+        Without ``src_mask``: the top-left causal mask. With it: ignored (a hint).
+    activation : {"relu", "gelu"} or callable, default "relu", keyword-only
+        The feed-forward activation: ReLU, the exact (erf) GELU, or a callable on arrays.
+    layer_norm_eps : float or sequence of 2 floats, default 1e-5, keyword-only
+        The eps of ``norm1`` and ``norm2`` (one float: both).
+    norm_first : bool, default False, keyword-only
+        Pre-norm instead of post-norm.
+    batch_first : bool, default False, keyword-only
+        Batched input and output are ``(N, L, E)`` instead of ``(L, N, E)``.
+
+    Returns
+    -------
+    ndarray, same shape as ``src``
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> from attnx import reference
+    >>> layer = attnx.TransformerEncoderLayer(16, 4, 32, 0.0, dtype=np.float64, seed=0)
+    >>> src = np.random.default_rng(0).standard_normal((5, 2, 16))      # (L, N, E)
+    >>> out = reference.transformer_encoder_layer(src, layer.state_dict(), 4, is_causal=True)
+    >>> out.shape
+    (5, 2, 16)
+    >>> bool(np.allclose(layer(src, is_causal=True), out))
+    True
+    """
+    dtype = _compute_dtype(src)
+    x = _as_float(src, dtype, "src")
+    eps1, eps2 = _norm_eps(layer_norm_eps, 2)
+
+    def self_attention(y):
+        return _attention_block(y, y, params, "self_attn.", nhead, src_mask, src_key_padding_mask, is_causal,
+                                batch_first)
+
+    if norm_first:
+        x = x + self_attention(_norm(x, params, "norm1", eps1))
+        x = x + _feed_forward(_norm(x, params, "norm2", eps2), params, activation)
+    else:
+        x = _norm(x + self_attention(x), params, "norm1", eps1)
+        x = _norm(x + _feed_forward(x, params, activation), params, "norm2", eps2)
+    return x
+
+
+def transformer_decoder_layer(
+    tgt: npt.ArrayLike,
+    memory: npt.ArrayLike,
+    params: Mapping[str, npt.ArrayLike],
+    nhead: int,
+    *,
+    tgt_mask: npt.ArrayLike | None = None,
+    memory_mask: npt.ArrayLike | None = None,
+    tgt_key_padding_mask: npt.ArrayLike | None = None,
+    memory_key_padding_mask: npt.ArrayLike | None = None,
+    tgt_is_causal: bool = False,
+    memory_is_causal: bool = False,
+    activation: str | ActivationFunction = "relu",
+    layer_norm_eps: float | Sequence[float] = 1e-5,
+    norm_first: bool = False,
+    batch_first: bool = False,
+) -> FloatArray:
+    """Reference ``torch.nn.TransformerDecoderLayer`` forward pass (inference: no dropout).
+
+    Post-norm (the default)::
+
+        x = norm1(x + self_attn(x))
+        x = norm2(x + multihead_attn(x, memory))
+        x = norm3(x + linear2(activation(linear1(x))))
+
+    and with ``norm_first``::
+
+        x = x + self_attn(norm1(x))
+        x = x + multihead_attn(norm2(x), memory)
+        x = x + linear2(activation(linear1(norm3(x))))
+
+    Parameters
+    ----------
+    tgt : array_like, shape ``(T, N, E)``, ``(N, T, E)`` with ``batch_first``, or ``(T, E)``
+        Its dtype (float32 or float64) is the compute and result dtype.
+    memory : array_like, shape ``(S, N, E)``, ``(N, S, E)`` with ``batch_first``, or ``(S, E)``
+        The encoder's output, attended by ``multihead_attn``.
+    params : mapping of str to array_like
+        The layer's parameters under torch's state_dict keys: those of
+        :func:`transformer_encoder_layer`, ``multihead_attn.in_proj_weight``,
+        ``multihead_attn.in_proj_bias``, ``multihead_attn.out_proj.weight``,
+        ``multihead_attn.out_proj.bias``, ``norm3.weight`` and ``norm3.bias``.
+    nhead : int
+        Number of attention heads (of both attentions).
+    tgt_mask : array_like, shape ``(T, T)`` or ``(N * nhead, T, T)``, optional, keyword-only
+        The self-attention's mask. Bool: True means *not* allowed; float: added.
+    memory_mask : array_like, shape ``(T, S)`` or ``(N * nhead, T, S)``, optional, keyword-only
+        The cross-attention's mask.
+    tgt_key_padding_mask : array_like, shape ``(N, T)`` (``(T,)`` unbatched), optional, keyword-only
+        Padding of ``tgt``'s positions as keys of the self-attention.
+    memory_key_padding_mask : array_like, shape ``(N, S)`` (``(S,)`` unbatched), optional, keyword-only
+        Padding of ``memory``'s positions.
+    tgt_is_causal : bool, default False, keyword-only
+        Without ``tgt_mask``: the top-left causal self-attention mask; with it: a hint.
+    memory_is_causal : bool, default False, keyword-only
+        Without ``memory_mask``: the top-left causal mask on the cross-attention's ``(T, S)``
+        scores; with it: a hint.
+    activation : {"relu", "gelu"} or callable, default "relu", keyword-only
+        As in :func:`transformer_encoder_layer`.
+    layer_norm_eps : float or sequence of 3 floats, default 1e-5, keyword-only
+        The eps of ``norm1``, ``norm2`` and ``norm3`` (one float: all three).
+    norm_first : bool, default False, keyword-only
+        Pre-norm instead of post-norm.
+    batch_first : bool, default False, keyword-only
+        Batched inputs and output are ``(N, T, E)`` instead of ``(T, N, E)``.
+
+    Returns
+    -------
+    ndarray, same shape as ``tgt``
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> from attnx import reference
+    >>> layer = attnx.TransformerDecoderLayer(16, 4, 32, 0.0, batch_first=True, dtype=np.float64, seed=0)
+    >>> rng = np.random.default_rng(0)
+    >>> tgt, memory = rng.standard_normal((2, 3, 16)), rng.standard_normal((2, 7, 16))
+    >>> out = reference.transformer_decoder_layer(tgt, memory, layer.state_dict(), 4, tgt_is_causal=True,
+    ...                                           batch_first=True)
+    >>> out.shape
+    (2, 3, 16)
+    >>> bool(np.allclose(layer(tgt, memory, tgt_is_causal=True), out))
+    True
+    """
+    dtype = _compute_dtype(tgt)
+    x = _as_float(tgt, dtype, "tgt")
+    mem = _as_float(memory, dtype, "memory")
+    eps1, eps2, eps3 = _norm_eps(layer_norm_eps, 3)
+
+    def self_attention(y):
+        return _attention_block(y, y, params, "self_attn.", nhead, tgt_mask, tgt_key_padding_mask, tgt_is_causal,
+                                batch_first)
+
+    def cross_attention(y):
+        return _attention_block(y, mem, params, "multihead_attn.", nhead, memory_mask, memory_key_padding_mask,
+                                memory_is_causal, batch_first)
+
+    if norm_first:
+        x = x + self_attention(_norm(x, params, "norm1", eps1))
+        x = x + cross_attention(_norm(x, params, "norm2", eps2))
+        x = x + _feed_forward(_norm(x, params, "norm3", eps3), params, activation)
+    else:
+        x = _norm(x + self_attention(x), params, "norm1", eps1)
+        x = _norm(x + cross_attention(x), params, "norm2", eps2)
+        x = _norm(x + _feed_forward(x, params, activation), params, "norm3", eps3)
+    return x
