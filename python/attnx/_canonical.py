@@ -368,31 +368,29 @@ def _mha_statics(static_k, static_v, dtype, N, H, head_dim, S) -> tuple:
     return statics[0], statics[1], S if statics[0] is None else statics[0].shape[2]
 
 
-def mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src, names=("attn_mask", "key_padding_mask")) -> tuple:
-    """The masks of multi-head attention (torch's rules: True means masked) as additive
-    (N, H, L, S_src) views of their own storage; ``names`` are the caller's for them."""
-    am_name, kpm_name = names
+def _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src) -> tuple:
+    """The masks as additive (N, H, L, S_src) views of their own storage."""
     kpm = am = None
     if key_padding_mask is not None:
-        kpm = additive_mask(key_padding_mask, dtype, kpm_name, true_means_masked=True)
+        kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask", true_means_masked=True)
         if not batched:
             kpm = kpm[None]
         if kpm.shape != (N, S_src):
             raise ValueError(
-                f"{kpm_name} must have shape (N, S) = {shape_str((N, S_src))}, got {shape_str(np.shape(key_padding_mask))}"
+                f"key_padding_mask must have shape (N, S) = {shape_str((N, S_src))}, got {shape_str(np.shape(key_padding_mask))}"
             )
         kpm = np.broadcast_to(kpm[:, None, None, :], (N, H, L, S_src))
     if attn_mask is not None:
-        am = additive_mask(attn_mask, dtype, am_name, true_means_masked=True)
+        am = additive_mask(attn_mask, dtype, "attn_mask", true_means_masked=True)
         if am.ndim == 2:
             if am.shape != (L, S_src):
-                raise ValueError(f"2-D {am_name} must have shape (L, S) = {shape_str((L, S_src))}, got {shape_str(am.shape)}")
+                raise ValueError(f"2-D attn_mask must have shape (L, S) = {shape_str((L, S_src))}, got {shape_str(am.shape)}")
             am = np.broadcast_to(am, (N, H, L, S_src))
         else:
             if am.shape != (N * H, L, S_src):
                 raise ValueError(
-                    f"{am_name} must be 2-D (L, S) = {shape_str((L, S_src))} or 3-D (N*num_heads, L, S) = "
-                    f"{shape_str((N * H, L, S_src))}, got {shape_str(am.shape)}"
+                    f"3-D attn_mask must have shape (N*num_heads, L, S) = {shape_str((N * H, L, S_src))}, "
+                    f"got {shape_str(am.shape)}"
                 )
             am = am.reshape(N, H, L, S_src)
     return am, kpm
@@ -439,7 +437,7 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
             )
     H = weights.num_heads
     static_k, static_v, S_src = _mha_statics(static_k, static_v, dtype, N, H, E // H, S)
-    am, kpm = mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src)
+    am, kpm = _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src)
     result_dtype = weights.dtype
 
     def finish(out, attn_weights):

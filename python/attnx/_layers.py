@@ -14,9 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from ._arrays import as_array, shape_str
-from ._canonical import mha_masks
-from .cache import KVCache
+from ._arrays import additive_mask
 
 _COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -80,14 +78,19 @@ def _batch(x: np.ndarray[Any, Any], batch_first: bool) -> tuple[int, int]:
 
 def _block_masks(attn_mask: Any, key_padding_mask: Any, dtype: np.dtype[Any], N: int, H: int, L: int, S: int,
                  names: tuple[str, str]) -> tuple[Any, Any] | None:
-    """A block's masks as additive (N, H, L, S) views, or None where it has none."""
+    """A block's masks, their shapes checked by the classes ((L, S) or (N * H, L, S); (N, S)),
+    as additive (N, H, L, S) views (torch's multi-head attention rules: True means masked), or
+    None where it has none."""
     if attn_mask is None and key_padding_mask is None:
         return None
-    if attn_mask is not None:
-        attn_mask = as_array(attn_mask, names[0])
+    am = kpm = None
     if key_padding_mask is not None:
-        key_padding_mask = as_array(key_padding_mask, names[1])
-    return mha_masks(attn_mask, key_padding_mask, dtype, True, N, H, L, S, names)
+        kpm = additive_mask(key_padding_mask, dtype, names[1], true_means_masked=True)
+        kpm = np.broadcast_to(kpm.reshape(N, 1, 1, S), (N, H, L, S))
+    if attn_mask is not None:
+        am = additive_mask(attn_mask, dtype, names[0], true_means_masked=True)
+        am = np.broadcast_to(am, (N, H, L, S)) if am.ndim == 2 else am.reshape(N, H, L, S)
+    return am, kpm
 
 
 def encoder_layer(layer: Any, src: np.ndarray[Any, Any], src_mask: Any, src_key_padding_mask: Any, is_causal: bool,
