@@ -7,9 +7,12 @@ Usage (from a checkout, after ``pip install .``; the installed attnx is the one 
     python benchmarks/compare.py                        # full run, saved under benchmarks/results/
     python benchmarks/compare.py --sweep                # time against sequence length, same file
     python benchmarks/compare.py --threads 2 --shapes l1024 --out run.json
+    python benchmarks/compare.py --shapes encoder-layer encoder-stack decoder-step
 
 Results go to ``benchmarks/results/DATE-MACHINE-COMMIT.json`` (see results_file.py): the
-``compare`` section for the shapes, ``sweep`` for ``--sweep``. ``--out`` names another file.
+``compare`` section for the shapes, ``sweep`` for ``--sweep``, ``transformer`` for a run of the
+transformer layers only (so that it does not replace the shapes' section). ``--out`` names another
+file.
 
 Method
 ------
@@ -65,6 +68,27 @@ Method
 FLOP counts: sdpa ``4*B*H*L*S*D`` (two matmuls, 2 FLOPs per multiply-add); for causal shapes
 only the computed half is counted (``2*B*H*L*S*D``); the MHA module adds ``8*B*L*E^2`` for the
 four projections. Softmax work is not counted.
+
+Transformer layers (``encoder-layer``, ``encoder-stack``, ``decoder-step``, named only)
+--------------------------------------------------------------------------------------
+* attnx's ``TransformerEncoderLayer`` / ``TransformerEncoder`` / ``TransformerDecoder`` and
+  torch's modules load one float32 state dict (torch's keys; random biases and norms) and run in
+  ``eval()``; torch under ``inference_mode`` (its fused fast path for the encoders). ONNX Runtime
+  and OpenVINO run the torch module exported with ``torch.onnx.export(dynamo=False)``; a failed
+  export or an exported model whose output disagrees with the reference is reported as
+  "unavailable" with the reason. NumPy has no transformer peer ("n/a").
+* A padded encoder's outputs are compared at the non-padded positions only (torch's fast path
+  leaves the padded ones undefined).
+* The decoder step: attnx's ``step`` over a cache filled with the S cached tokens, against
+  "torch-recompute" (the decoder over all S + T tokens with a causal mask, the last T positions)
+  and "torch-cached" (TorchCachedDecoder: a loop on the module's weights that caches keys and
+  values in torch tensors). The caches are put back to S tokens before every call, untimed
+  (``Bench.reset``). attnx's speed-up over every peer is in ``speedups``.
+* FLOPs: an encoder layer ``2*B*L*(4*E^2 + 2*E*ff) + 4*B*L^2*E`` (padding not discounted), times
+  the layers; a decoder step of T tokens, per layer ``2*B*T*(6*E^2 + 2*E*ff) +
+  4*B*T*(S + T + M)*E``, times the layers (the memory's K/V projections are made once per cache).
+  The step is memory-bound: its fraction is of the read bandwidth, over the bytes of those weights
+  and both attentions' K/V.
 
 Peers that are not installed are reported as "not installed", never as an error.
 """
@@ -126,12 +150,22 @@ PEERS = LIBRARIES[1:]
 # --------------------------------------------------------------------------------------------
 
 
+LAYER_KINDS = ("encoder-layer", "encoder-stack", "decoder-step")
+
+
 @dataclass(frozen=True)
 class Shape:
-    """One benchmark case. For "mha", H*D is the embedding width E and S == L."""
+    """One benchmark case. For "mha", H*D is the embedding width E and S == L.
+
+    The transformer kinds (LAYER_KINDS) run torch's nn.Transformer layers, batch_first, with
+    d_model E = H*D and `ff` the feed-forward width: "encoder-layer" one TransformerEncoderLayer
+    over B sequences of L tokens; "encoder-stack" a TransformerEncoder of `layers` layers (and a
+    final LayerNorm, as nn.Transformer's); "decoder-step" a TransformerDecoder of `layers` layers
+    (and a final LayerNorm) decoding L new tokens over S cached ones, with a memory of `memory`
+    tokens. All post-norm."""
 
     name: str
-    kind: str  # "sdpa" or "mha"
+    kind: str  # "sdpa", "mha" or one of LAYER_KINDS
     B: int
     H: int
     L: int
@@ -142,6 +176,13 @@ class Shape:
     # The causal mask given as an (L, S) float array of 0 / -inf, as model code often passes
     # it, rather than as a flag: each library then finds the closed keys in the mask.
     mask_given: bool = False
+    ff: int = 0
+    layers: int = 1
+    activation: str = "relu"
+    # A key padding mask with ragged lengths (padding_lengths): sequence i holds
+    # L - i * (L // 2B) tokens, so the shortest holds a little over half.
+    padded: bool = False
+    memory: int = 0
 
     @property
     def E(self) -> int:
@@ -151,12 +192,33 @@ class Shape:
     def label(self) -> str:
         if self.kind == "mha":
             return f"MHA B{self.B} L{self.L} E{self.E} H{self.H}"
+        width = f"d{self.E} h{self.H} ff{self.ff} {self.activation}"
+        if self.kind == "encoder-layer":
+            return f"EncoderLayer B{self.B} L{self.L} {width}" + (" padded" if self.padded else "")
+        if self.kind == "encoder-stack":
+            return f"Encoder {self.layers}x B{self.B} L{self.L} {width}"
+        if self.kind == "decoder-step":
+            return f"Decoder {self.layers}x step B{self.B} T{self.L} S{self.S} M{self.memory} {width}"
         tag = " causal mask" if self.mask_given else (
             " causal" if self.causal else (" decode" if self.memory_bound else ""))
         return f"sdpa{tag} B{self.B} H{self.H} L{self.L} S{self.S} D{self.D}"
 
     @property
     def flops(self) -> float:
+        E, ff = self.E, self.ff
+        if self.kind in ("encoder-layer", "encoder-stack"):
+            # Four E x E projections and the two feed-forward matmuls per token, and the two
+            # attention matmuls; padded tokens are counted as computed.
+            per_layer = 2.0 * self.B * self.L * (4 * E**2 + 2 * E * ff) + 4.0 * self.B * self.L * self.L * E
+            return self.layers * per_layer
+        if self.kind == "decoder-step":
+            # Per new token: the self-attention's q, k, v and output projections, the
+            # cross-attention's q and output projections (the memory's keys and values are
+            # projected once per cache, not per step) and the feed-forward matmuls; the two
+            # attention matmuls over the S + L cached and new keys and over the memory.
+            per_layer = (2.0 * self.B * self.L * (6 * E**2 + 2 * E * ff)
+                         + 4.0 * self.B * self.L * (self.S + self.L + self.memory) * E)
+            return self.layers * per_layer
         attention = 4.0 * self.B * self.H * self.L * self.S * self.D
         if self.causal:
             attention /= 2  # only the computed (lower) half
@@ -166,8 +228,20 @@ class Shape:
 
     @property
     def bytes_kv(self) -> float:
-        """Bytes of K and V, each read once (float32)."""
+        """Bytes a memory-bound call reads (float32): K and V, each once, for sdpa; for
+        decoder-step the weights the step multiplies with (as counted in `flops`) and the keys
+        and values of both attentions."""
+        if self.kind == "decoder-step":
+            E, ff = self.E, self.ff
+            weights = 6 * E**2 + 2 * E * ff
+            keys_values = 2 * self.B * (self.S + self.L + self.memory) * E
+            return 4.0 * self.layers * (weights + keys_values)
         return 2.0 * self.B * self.H * self.S * self.D * 4
+
+    @property
+    def bytes_of(self) -> str:
+        """What `bytes_kv` counts, in words."""
+        return "weights + K/V" if self.kind == "decoder-step" else "K+V"
 
 
 SHAPES = (
@@ -197,6 +271,25 @@ EXTRA_SHAPES = (
     Shape("decode-l16-s4096", "sdpa", B=1, H=32, L=16, S=4096, D=128, memory_bound=True),
 )
 
+# nn.Transformer layers, run only when named: a BERT-base encoder layer over a padded batch; a
+# 6-layer encoder over one long sequence; a step of a 6-layer decoder (the base Transformer's
+# width) that adds one token to 256 cached ones. The "-tiny" ones are the same cases on small
+# widths, for smoke runs.
+LAYER_SHAPES = (
+    Shape("encoder-layer", "encoder-layer", B=8, H=12, L=128, S=128, D=64, ff=3072, activation="gelu",
+          padded=True),
+    Shape("encoder-stack", "encoder-stack", B=1, H=12, L=512, S=512, D=64, ff=3072, layers=6,
+          activation="gelu"),
+    Shape("decoder-step", "decoder-step", B=4, H=8, L=1, S=256, D=64, ff=2048, layers=6, memory=128,
+          memory_bound=True),
+    Shape("encoder-layer-tiny", "encoder-layer", B=2, H=2, L=16, S=16, D=8, ff=32, activation="gelu",
+          padded=True),
+    Shape("encoder-stack-tiny", "encoder-stack", B=1, H=2, L=16, S=16, D=8, ff=32, layers=2,
+          activation="gelu"),
+    Shape("decoder-step-tiny", "decoder-step", B=2, H=2, L=1, S=8, D=8, ff=32, layers=2, memory=4,
+          memory_bound=True),
+)
+
 
 SWEEP_LENGTHS = (128, 256, 512, 1024, 2048)
 
@@ -215,22 +308,85 @@ def select_shapes(selectors: list[str] | None) -> list[Shape]:
         if sel.isdigit() and 1 <= int(sel) <= len(SHAPES):
             chosen.append(SHAPES[int(sel) - 1])
             continue
-        matches = [s for s in SHAPES + EXTRA_SHAPES if s.name == sel]
+        matches = [s for s in SHAPES + EXTRA_SHAPES + LAYER_SHAPES if s.name == sel]
         if not matches:
             names = ", ".join([f"{i}={s.name}" for i, s in enumerate(SHAPES, 1)] +
-                              [s.name for s in EXTRA_SHAPES])
+                              [s.name for s in EXTRA_SHAPES + LAYER_SHAPES])
             raise SystemExit(f"unknown shape {sel!r}; choose from {names}")
         chosen.extend(matches)
     return chosen
 
 
-def make_inputs(shape: Shape, seed: int = 0) -> dict[str, np.ndarray]:
-    """float32 inputs: q, k, v (B, H, L|S, D) for sdpa; x (B, L, E) and weights for mha."""
+def padding_lengths(shape: Shape) -> list[int]:
+    """Tokens of each sequence of a padded shape: L - i * (L // 2B) (128 - 8*i for B8 L128)."""
+    step = max(1, shape.L // (2 * shape.B))
+    return [max(1, shape.L - i * step) for i in range(shape.B)]
+
+
+def key_padding_mask(shape: Shape) -> np.ndarray:
+    """(B, L) bool, True at the padded positions (torch's convention)."""
+    return np.arange(shape.L)[None, :] >= np.array(padding_lengths(shape))[:, None]
+
+
+def layer_state(shape: Shape, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """float32 parameters under torch's state_dict keys. Initialised like torch (xavier for the
+    input projections, uniform +-1/sqrt(fan_in) for the linear layers), except that every bias
+    and layer norm is random too, so that each of those paths is checked."""
+    E, ff = shape.E, shape.ff
+    state: dict[str, np.ndarray] = {}
+
+    def uniform(bound, *dims):
+        return rng.uniform(-bound, bound, dims).astype(np.float32)
+
+    def linear(name, out_features, in_features):
+        state[name + "weight"] = uniform(1.0 / math.sqrt(in_features), out_features, in_features)
+        state[name + "bias"] = uniform(1.0 / math.sqrt(in_features), out_features)
+
+    def attention(name):
+        state[name + "in_proj_weight"] = uniform(math.sqrt(6.0 / (E + 3 * E)), 3 * E, E)
+        state[name + "in_proj_bias"] = 0.1 * rng.standard_normal(3 * E, dtype=np.float32)
+        linear(name + "out_proj.", E, E)
+
+    def norm(name):
+        state[name + "weight"] = 1.0 + 0.1 * rng.standard_normal(E, dtype=np.float32)
+        state[name + "bias"] = 0.1 * rng.standard_normal(E, dtype=np.float32)
+
+    decoder = shape.kind == "decoder-step"
+    stack = shape.kind != "encoder-layer"
+    for i in range(shape.layers):
+        prefix = f"layers.{i}." if stack else ""
+        attention(prefix + "self_attn.")
+        if decoder:
+            attention(prefix + "multihead_attn.")
+        linear(prefix + "linear1.", ff, E)
+        linear(prefix + "linear2.", E, ff)
+        for j in range(1, 4 if decoder else 3):
+            norm(f"{prefix}norm{j}.")
+    if stack:
+        norm("norm.")
+    return state
+
+
+def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
+    """float32 inputs: q, k, v (B, H, L|S, D) for sdpa; x (B, L, E) and weights for mha; for the
+    transformer kinds the parameters ("state", torch's state_dict keys) and x (B, L, E) with
+    "key_padding_mask" when padded (encoders), or tgt (B, S + L, E), the S cached tokens then the
+    L new ones, and memory (B, M, E) (decoder-step)."""
     rng = np.random.default_rng(seed)
 
     def randn(*dims):
         return rng.standard_normal(dims, dtype=np.float32)
 
+    if shape.kind in LAYER_KINDS:
+        data: dict[str, Any] = {"state": layer_state(shape, rng)}
+        if shape.kind == "decoder-step":
+            data["tgt"] = randn(shape.B, shape.S + shape.L, shape.E)
+            data["memory"] = randn(shape.B, shape.memory, shape.E)
+        else:
+            data["x"] = randn(shape.B, shape.L, shape.E)
+            if shape.padded:
+                data["key_padding_mask"] = key_padding_mask(shape)
+        return data
     if shape.kind == "sdpa":
         return {
             "q": randn(shape.B, shape.H, shape.L, shape.D),
@@ -292,8 +448,53 @@ def numpy_mha(x, w_in, b_in, w_out, b_out, num_heads, mask=None):
     return out
 
 
-def reference_output(shape: Shape, data: dict[str, np.ndarray], softcap: float | None = None) -> np.ndarray:
+def layer_output_view(shape: Shape, data: dict) -> Callable[[np.ndarray], np.ndarray]:
+    """What of a transformer case's output is compared: for a padded encoder the rows at the
+    non-padded positions only ((tokens, E)), since torch's fast path leaves the padded ones
+    undefined (zeros); otherwise all of it."""
+    if shape.padded:
+        keep = ~data["key_padding_mask"]
+        return lambda out: np.asarray(out)[keep]
+    return np.asarray
+
+
+def reference_layer_output(shape: Shape, data: dict) -> np.ndarray:
+    """The float64 result of a transformer case, from attnx.reference's layers (float64 NumPy,
+    exact GELU) chained as torch's stacks chain them; the decoder runs all S + L tokens at once
+    with a causal mask, and its last L positions are the step's."""
+    from attnx import reference
+
+    state = {name: a.astype(np.float64) for name, a in data["state"].items()}
+
+    def params(prefix: str) -> dict[str, np.ndarray]:
+        return {name[len(prefix):]: a for name, a in state.items() if name.startswith(prefix)}
+
+    def final_norm(x):
+        return reference.layer_norm(x, state["norm.weight"], state["norm.bias"], 1e-5)
+
+    common = dict(activation=shape.activation, batch_first=True)
+    if shape.kind == "decoder-step":
+        x, memory = data["tgt"].astype(np.float64), data["memory"].astype(np.float64)
+        for i in range(shape.layers):
+            x = reference.transformer_decoder_layer(x, memory, params(f"layers.{i}."), shape.H, tgt_is_causal=True,
+                                                    **common)
+        return final_norm(x)[:, shape.S:]
+    x = data["x"].astype(np.float64)
+    mask = data.get("key_padding_mask")
+    if shape.kind == "encoder-layer":
+        out = reference.transformer_encoder_layer(x, params(""), shape.H, src_key_padding_mask=mask, **common)
+    else:
+        for i in range(shape.layers):
+            x = reference.transformer_encoder_layer(x, params(f"layers.{i}."), shape.H, src_key_padding_mask=mask,
+                                                    **common)
+        out = final_norm(x)
+    return layer_output_view(shape, data)(out)
+
+
+def reference_output(shape: Shape, data: dict[str, Any], softcap: float | None = None) -> np.ndarray:
     """The float64 NumPy result every library is checked against (the soft cap: sdpa only)."""
+    if shape.kind in LAYER_KINDS:
+        return reference_layer_output(shape, data)
     d64 = {name: a.astype(np.float64) for name, a in data.items()}
     mask = causal_additive_mask(shape.L, shape.S, np.float64) if shape.causal else None
     if shape.kind == "sdpa":
@@ -309,15 +510,36 @@ def reference_output(shape: Shape, data: dict[str, np.ndarray], softcap: float |
 @dataclass
 class Bench:
     """A prepared library call: `run()` is timed; `to_numpy(run())` gives the canonical output
-    ((B, H, L, D) for sdpa, (B, L, E) for mha) and is not timed."""
+    ((B, H, L, D) for sdpa, (B, L, E) for mha, layer_output_view's for the transformer kinds)
+    and is not timed. `reset`, when given, runs untimed before every call: a decoding step puts
+    its cache back to the length it had before the step. `exported`: the call runs a model
+    exported from torch, and an output that disagrees with the reference makes the peer
+    unavailable (the export's fault) rather than wrong."""
 
     run: Callable[[], Any]
     to_numpy: Callable[[Any], np.ndarray] = np.asarray
     note: str = ""
+    reset: Callable[[], None] | None = None
+    exported: bool = False
 
 
 class NotInstalled(Exception):
     """The peer library cannot be imported."""
+
+
+class Unavailable(Exception):
+    """The peer is installed but cannot run this case (a failed model export, say)."""
+
+
+class NotApplicable(Exception):
+    """The peer has no implementation of this kind of case."""
+
+
+def call_once(bench: Bench) -> Any:
+    """One call of `bench` outside any timing, its reset first."""
+    if bench.reset is not None:
+        bench.reset()
+    return bench.run()
 
 
 def import_optional(name: str):
@@ -329,7 +551,10 @@ def import_optional(name: str):
 
 def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None) -> Bench:
     """attnx's call of a shape; with `softcap`, the sdpa shapes soft-cap their scores (ab.py's
-    --after-softcap), and the multi-head ones, which have no soft cap, run as they are."""
+    --after-softcap), and the multi-head and transformer ones, which have no soft cap, run as
+    they are."""
+    if shape.kind in LAYER_KINDS:
+        return setup_attnx_layer(shape, data, threads)
     import attnx
 
     attnx.set_num_threads(threads)
@@ -366,6 +591,8 @@ def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None) 
 
 
 def setup_numpy(shape: Shape, data, threads: int) -> Bench:
+    if shape.kind in LAYER_KINDS:
+        raise NotApplicable("no NumPy transformer peer")
     mask = causal_additive_mask(shape.L, shape.S, np.float32) if shape.causal else None
     if shape.kind == "sdpa":
         q, k, v = data["q"], data["k"], data["v"]
@@ -374,7 +601,9 @@ def setup_numpy(shape: Shape, data, threads: int) -> Bench:
     return Bench(lambda: numpy_mha(d["x"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], shape.H, mask))
 
 
-def setup_torch(shape: Shape, data, threads: int) -> Bench:
+def setup_torch(shape: Shape, data, threads: int) -> Bench | dict[str, Bench]:
+    if shape.kind in LAYER_KINDS:
+        return setup_torch_layer(shape, data, threads)
     torch = import_optional("torch")
     torch.set_num_threads(threads)
     to_numpy = lambda t: t.numpy()  # noqa: E731
@@ -469,8 +698,8 @@ def _to_bsh(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.transpose(0, 2, 1, 3)).reshape(B, N, H * D)
 
 
-def setup_onnxruntime(shape: Shape, data, threads: int) -> Bench:
-    ort = import_optional("onnxruntime")
+def _ort_options(ort, threads: int):
+    """Session options: `threads` intra-op threads that do not spin, all graph optimisations."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -478,7 +707,15 @@ def setup_onnxruntime(shape: Shape, data, threads: int) -> Bench:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    session = ort.InferenceSession(_onnx_model_bytes(shape, data), options, providers=["CPUExecutionProvider"])
+    return options
+
+
+def setup_onnxruntime(shape: Shape, data, threads: int) -> Bench:
+    if shape.kind in LAYER_KINDS:
+        return setup_onnxruntime_layer(shape, data, threads)
+    ort = import_optional("onnxruntime")
+    session = ort.InferenceSession(_onnx_model_bytes(shape, data), _ort_options(ort, threads),
+                                   providers=["CPUExecutionProvider"])
 
     if shape.kind == "sdpa":
         feeds = {"query": _to_bsh(data["q"]), "key": _to_bsh(data["k"]), "value": _to_bsh(data["v"])}
@@ -546,17 +783,22 @@ def _openvino_model(shape: Shape, data, ops, ov):
     return ov.Model([out], [x], f"mha_{shape.name}")
 
 
-def setup_openvino(shape: Shape, data, threads: int) -> Bench:
-    ov = import_optional("openvino")
-    ops = _openvino_ops()
-    config = {
+def _openvino_config(threads: int) -> dict:
+    return {
         "INFERENCE_NUM_THREADS": threads,
         "INFERENCE_PRECISION_HINT": "f32",
         "PERFORMANCE_HINT": "LATENCY",
         "NUM_STREAMS": 1,
         "ENABLE_CPU_PINNING": False,  # pinning would also pin this process's other threads
     }
-    compiled = ov.Core().compile_model(_openvino_model(shape, data, ops, ov), "CPU", config)
+
+
+def setup_openvino(shape: Shape, data, threads: int) -> Bench:
+    if shape.kind in LAYER_KINDS:
+        return setup_openvino_layer(shape, data, threads)
+    ov = import_optional("openvino")
+    ops = _openvino_ops()
+    compiled = ov.Core().compile_model(_openvino_model(shape, data, ops, ov), "CPU", _openvino_config(threads))
     request = compiled.create_infer_request()
     names = ("q", "k", "v") if shape.kind == "sdpa" else ("x",)
     inputs = [data[name] for name in names]
@@ -575,7 +817,293 @@ def setup_openvino(shape: Shape, data, threads: int) -> Bench:
     return Bench(run, lambda out: np.array(out, copy=True), note="opset13.ScaledDotProductAttention, f32 hint")
 
 
-ADAPTERS: dict[str, Callable[[Shape, dict, int], Bench]] = {
+# --------------------------------------------------------------------------------------------
+# Transformer layers: the layer kinds' adapters
+# --------------------------------------------------------------------------------------------
+
+
+def setup_attnx_layer(shape: Shape, data, threads: int) -> Bench:
+    """attnx's nn.Transformer modules, loaded with the case's state dict, in eval mode. The
+    decoder step runs TransformerDecoder.step over a cache that one step filled with the S
+    cached tokens; the cache lengths are put back after each step."""
+    import attnx
+
+    attnx.set_num_threads(threads)
+    E, H = shape.E, shape.H
+    config = dict(dim_feedforward=shape.ff, activation=shape.activation, batch_first=True, dtype=np.float32)
+    view = layer_output_view(shape, data)
+    if shape.kind == "encoder-layer":
+        module = attnx.TransformerEncoderLayer(E, H, **config)
+    else:
+        from attnx.transformer import LayerNorm
+
+        norm = LayerNorm(E, dtype=np.float32)
+        if shape.kind == "encoder-stack":
+            module = attnx.TransformerEncoder(attnx.TransformerEncoderLayer(E, H, **config), shape.layers, norm)
+        else:
+            module = attnx.TransformerDecoder(attnx.TransformerDecoderLayer(E, H, **config), shape.layers, norm)
+    module.load_state_dict(data["state"])
+    module.eval()
+    name = type(module).__name__
+    if shape.kind != "decoder-step":
+        x = data["x"]
+        mask = data.get("key_padding_mask")
+        if mask is None:
+            return Bench(lambda: module(x), view, note=f"attnx.{name}")
+        return Bench(lambda: module(x, src_key_padding_mask=mask), view,
+                     note=f"attnx.{name}, src_key_padding_mask")
+    memory, tgt = data["memory"], data["tgt"]
+    past, new = tgt[:, :shape.S], np.ascontiguousarray(tgt[:, shape.S:])
+    cache = module.new_cache(shape.B, shape.S + shape.L, dtype=np.float32)
+    module.step(past, memory, cache)
+    lengths = [layer.storage().lengths.copy() for layer in cache.layers]
+    stepped = [False]
+
+    def reset():
+        for layer, n in zip(cache.layers, lengths):
+            layer.storage().lengths[:] = n
+        stepped[0] = False
+
+    def run():
+        if stepped[0]:  # a caller that does not reset (ab.py): put the lengths back here
+            reset()
+        out = module.step(new, memory, cache)
+        stepped[0] = True
+        return out
+
+    return Bench(run, view, reset=reset,
+                 note=f"attnx.TransformerDecoder.step over new_cache(B, {shape.S + shape.L}) holding {shape.S} tokens")
+
+
+def torch_layer_module(torch, shape: Shape, data):
+    """torch's module of a transformer case, loaded with the case's state dict, in eval mode."""
+    nn = torch.nn
+    E, H = shape.E, shape.H
+    config = dict(dim_feedforward=shape.ff, activation=shape.activation, batch_first=True)
+    if shape.kind == "encoder-layer":
+        module = nn.TransformerEncoderLayer(E, H, **config)
+    elif shape.kind == "encoder-stack":
+        module = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, **config), shape.layers, nn.LayerNorm(E))
+    else:
+        module = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, **config), shape.layers, nn.LayerNorm(E))
+    module.load_state_dict({name: torch.from_numpy(a) for name, a in data["state"].items()})
+    return module.eval()
+
+
+class TorchCachedDecoder:
+    """A decoding loop over an nn.TransformerDecoder's weights (post-norm, batch_first) that
+    keeps the keys and values itself, in torch ops: per layer, the new tokens' q, k, v from
+    self_attn.in_proj_weight, k and v written into preallocated (B, H, max_len, D) tensors,
+    F.scaled_dot_product_attention over the filled part, out_proj, residual and norm1; the
+    cross-attention over the memory's keys and values projected once here, residual and norm2;
+    the feed-forward block, residual and norm3; the decoder's final norm. `length` is the number
+    of cached tokens."""
+
+    def __init__(self, torch, decoder, memory, max_len: int):
+        F = torch.nn.functional
+        self.torch, self.F, self.decoder = torch, F, decoder
+        self.sdpa = F.scaled_dot_product_attention
+        B, M, E = memory.shape
+        self.H = decoder.layers[0].self_attn.num_heads
+        D = E // self.H
+        self.length = 0
+        with torch.inference_mode():
+            self.k = [torch.zeros(B, self.H, max_len, D) for _ in decoder.layers]
+            self.v = [torch.zeros(B, self.H, max_len, D) for _ in decoder.layers]
+            self.cross = []
+            for layer in decoder.layers:
+                if layer.norm_first:
+                    raise Unavailable("TorchCachedDecoder follows post-norm layers only")
+                w, b = layer.multihead_attn.in_proj_weight, layer.multihead_attn.in_proj_bias
+                k = F.linear(memory, w[E:2 * E], b[E:2 * E]).view(B, M, self.H, D).transpose(1, 2)
+                v = F.linear(memory, w[2 * E:], b[2 * E:]).view(B, M, self.H, D).transpose(1, 2)
+                self.cross.append((w[:E], b[:E], k.contiguous(), v.contiguous()))
+
+    def step(self, x):
+        """The decoder's output at the new tokens x (B, T, E), which join the cache."""
+        torch, F, sdpa = self.torch, self.F, self.sdpa
+        B, T, E = x.shape
+        H = self.H
+        start, end = self.length, self.length + T
+        with torch.inference_mode():
+            # New token i sees the cached tokens and the new ones up to itself.
+            mask = None if T == 1 else torch.ones(T, end, dtype=torch.bool).tril(start)
+            for layer, k_cache, v_cache, (wq, bq, k_mem, v_mem) in zip(self.decoder.layers, self.k, self.v,
+                                                                       self.cross):
+                sa, ca = layer.self_attn, layer.multihead_attn
+                q, k, v = F.linear(x, sa.in_proj_weight, sa.in_proj_bias).view(B, T, 3, H, E // H).permute(2, 0, 3, 1, 4)
+                k_cache[:, :, start:end] = k
+                v_cache[:, :, start:end] = v
+                a = sdpa(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask)
+                x = layer.norm1(x + F.linear(a.transpose(1, 2).reshape(B, T, E), sa.out_proj.weight, sa.out_proj.bias))
+                q = F.linear(x, wq, bq).view(B, T, H, E // H).transpose(1, 2)
+                a = sdpa(q, k_mem, v_mem)
+                x = layer.norm2(x + F.linear(a.transpose(1, 2).reshape(B, T, E), ca.out_proj.weight, ca.out_proj.bias))
+                x = layer.norm3(x + layer.linear2(layer.activation(layer.linear1(x))))
+            if self.decoder.norm is not None:
+                x = self.decoder.norm(x)
+        self.length = end
+        return x
+
+
+def setup_torch_layer(shape: Shape, data, threads: int) -> Bench | dict[str, Bench]:
+    """torch's own modules under inference_mode (the encoder layer and stack take torch's fused
+    fast path there). The decoder step has two peers: "torch-recompute", the decoder's forward
+    over all S + L target tokens with a causal tgt_mask, of which the last L positions are the
+    step's; "torch-cached", TorchCachedDecoder's step over S cached tokens."""
+    torch = import_optional("torch")
+    torch.set_num_threads(threads)
+    module = torch_layer_module(torch, shape, data)
+    view = layer_output_view(shape, data)
+    to_numpy = lambda t: view(t.numpy())  # noqa: E731
+    if shape.kind != "decoder-step":
+        x = torch.from_numpy(data["x"])
+        mask = torch.from_numpy(data["key_padding_mask"]) if shape.padded else None
+        kwargs = {} if mask is None else {"src_key_padding_mask": mask}
+
+        def run_encoder():
+            with torch.inference_mode():
+                return module(x, **kwargs)
+
+        return Bench(run_encoder, to_numpy, note=f"nn.{type(module).__name__} eval(), inference_mode (fast path)")
+    tgt, memory = torch.from_numpy(data["tgt"]), torch.from_numpy(data["memory"])
+    n, T = shape.S + shape.L, shape.L
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(n)
+
+    def run_recompute():
+        with torch.inference_mode():
+            return module(tgt, memory, tgt_mask=causal, tgt_is_causal=True)[:, -T:]
+
+    cached = TorchCachedDecoder(torch, module, memory, n)
+    cached.step(tgt[:, :shape.S])
+    new = tgt[:, shape.S:].contiguous()
+    stepped = [False]
+
+    def reset():
+        cached.length = shape.S
+        stepped[0] = False
+
+    def run_cached():
+        if stepped[0]:  # a caller that does not reset: put the length back here
+            reset()
+        out = cached.step(new)
+        stepped[0] = True
+        return out
+
+    # The loop against torch's own forward (the reference check follows in bench_shape).
+    reset()
+    full = run_recompute().numpy()
+    agreement = float(np.max(np.abs(run_cached().numpy() - full)))
+    return {
+        "torch-recompute": Bench(run_recompute, to_numpy,
+                                 note=f"nn.TransformerDecoder eval() over all {n} tokens, causal tgt_mask, "
+                                      f"inference_mode, the last {T} position(s)"),
+        "torch-cached": Bench(run_cached, to_numpy, reset=reset,
+                              note=f"a loop over the decoder's weights caching k/v in torch tensors, "
+                                   f"F.scaled_dot_product_attention, inference_mode (max |step - full forward| "
+                                   f"= {agreement:.1e})"),
+    }
+
+
+_exported: dict[str, bytes] = {}
+
+
+def export_onnx_layer(shape: Shape, data) -> bytes:
+    """torch's module of an encoder case exported to ONNX with the TorchScript exporter
+    (dynamo=False), inputs "src" and "src_key_padding_mask" (padded cases), output "output";
+    made once per process and shared by ONNX Runtime and OpenVINO."""
+    if shape.name in _exported:
+        return _exported[shape.name]
+    if shape.kind == "decoder-step":
+        raise NotApplicable("the decoder step needs a cache the exported graph does not have")
+    import io
+    import warnings
+
+    torch = import_optional("torch")
+    import_optional("onnx")
+    module = torch_layer_module(torch, shape, data)
+    x = torch.from_numpy(data["x"])
+    args, names = (x,), ["src"]
+    if shape.padded:
+        args, names = (x, None, torch.from_numpy(data["key_padding_mask"])), ["src", "src_key_padding_mask"]
+    buffer = io.BytesIO()
+    # Traced on torch's general path: the fused fast path (taken without gradients) is one
+    # operator that has no ONNX export.
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, args, buffer, dynamo=False, input_names=names, output_names=["output"],
+                              opset_version=17)
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise Unavailable(f"torch.onnx.export(dynamo=False) failed: {type(exc).__name__}: {first_line}") from None
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+    _exported[shape.name] = buffer.getvalue()
+    return _exported[shape.name]
+
+
+def _layer_feeds(shape: Shape, data) -> dict[str, np.ndarray]:
+    feeds = {"src": data["x"]}
+    if shape.padded:
+        feeds["src_key_padding_mask"] = data["key_padding_mask"]
+    return feeds
+
+
+def setup_onnxruntime_layer(shape: Shape, data, threads: int) -> Bench:
+    """ONNX Runtime on export_onnx_layer's model, all graph optimisations, inputs bound once."""
+    ort = import_optional("onnxruntime")
+    model = export_onnx_layer(shape, data)
+    try:
+        session = ort.InferenceSession(model, _ort_options(ort, threads), providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise Unavailable(f"ONNX Runtime cannot load the exported model: {type(exc).__name__}: {exc}") from None
+    feeds = _layer_feeds(shape, data)
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, array)
+    binding.bind_output("output")
+
+    def run():
+        assert feeds  # bound zero-copy: the arrays must live as long as the binding
+        session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0]
+
+    return Bench(run, layer_output_view(shape, data), exported=True,
+                 note="the torch module exported with torch.onnx.export(dynamo=False), opset 17")
+
+
+def setup_openvino_layer(shape: Shape, data, threads: int) -> Bench:
+    """OpenVINO reading export_onnx_layer's model, compiled as for the other shapes."""
+    ov = import_optional("openvino")
+    model = export_onnx_layer(shape, data)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        with open(path, "wb") as f:
+            f.write(model)
+        try:
+            compiled = ov.Core().compile_model(ov.Core().read_model(path), "CPU", _openvino_config(threads))
+        except Exception as exc:
+            raise Unavailable(f"OpenVINO cannot compile the exported model: {type(exc).__name__}: {exc}") from None
+    request = compiled.create_infer_request()
+    inputs = _layer_feeds(shape, data)
+    for name, array in inputs.items():  # inputs bound once, sharing the NumPy memory
+        request.set_tensor(name, ov.Tensor(array, shared_memory=True))
+
+    def run():
+        assert inputs  # shared, not owned: the arrays must live as long as the request
+        request.infer()
+        return request.get_output_tensor(0).data
+
+    view = layer_output_view(shape, data)
+    return Bench(run, lambda out: view(np.array(out, copy=True)), exported=True,
+                 note="the exported ONNX model read by OpenVINO, f32 hint")
+
+
+# An adapter returns one Bench, or several by name (torch's two decoder-step peers).
+ADAPTERS: dict[str, Callable[[Shape, dict, int], Bench | dict[str, Bench]]] = {
     "attnx": setup_attnx,
     "numpy": setup_numpy,
     "torch": setup_torch,
@@ -620,28 +1148,32 @@ def gc_paused():
         gc.enable()
 
 
-def time_calls(run: Callable[[], Any], k: int) -> list[float]:
-    """Per-call wall times (seconds) of `k` consecutive calls."""
+def time_calls(run: Callable[[], Any], k: int, reset: Callable[[], None] | None = None) -> list[float]:
+    """Per-call wall times (seconds) of `k` consecutive calls; `reset`, if any, runs before each
+    call, outside the timed region."""
     clock = time.perf_counter
     times = []
     for _ in range(k):
+        if reset is not None:
+            reset()
         t0 = clock()
         run()
         times.append(clock() - t0)
     return times
 
 
-def calibrate(run: Callable[[], Any], block_seconds: float, max_calls: int = 2000) -> int:
+def calibrate(run: Callable[[], Any], block_seconds: float, max_calls: int = 2000,
+              reset: Callable[[], None] | None = None) -> int:
     """Calls per block so that a block lasts about `block_seconds` (after a warm-up call)."""
-    run()
-    once = min(time_calls(run, 2))
+    time_calls(run, 1, reset)
+    once = min(time_calls(run, 2, reset))
     return max(1, min(max_calls, int(block_seconds / max(once, 1e-7))))
 
 
-def run_block(run: Callable[[], Any], k: int, pause_s: float) -> list[float]:
+def run_block(run: Callable[[], Any], k: int, pause_s: float, reset: Callable[[], None] | None = None) -> list[float]:
     """One block: sleep `pause_s` (other runtimes' spinning threads go quiet), then time `k` calls."""
     time.sleep(pause_s)
-    return time_calls(run, k)
+    return time_calls(run, k, reset)
 
 
 def measure_interleaved(benches: dict[str, Bench], rounds: int, block_seconds: float, pause_s: float,
@@ -651,14 +1183,14 @@ def measure_interleaved(benches: dict[str, Bench], rounds: int, block_seconds: f
     calls = {}
     for name in names:
         time.sleep(pause_s)
-        calls[name] = calibrate(benches[name].run, block_seconds)
+        calls[name] = calibrate(benches[name].run, block_seconds, reset=benches[name].reset)
     samples: dict[str, list[float]] = {name: [] for name in names}
     block_medians: dict[str, list[float]] = {name: [] for name in names}
     with gc_paused():
         for r in range(rounds):
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
-                times = run_block(benches[name].run, calls[name], pause_s)
+                times = run_block(benches[name].run, calls[name], pause_s, benches[name].reset)
                 samples[name].extend(times)
                 block_medians[name].append(statistics.median(times))
             if progress is not None:
@@ -761,30 +1293,56 @@ def bench_shape(shape: Shape, libs: list[str], threads: int, opts, progress: Pro
     reference = reference_output(shape, data)
     status: dict[str, dict] = {}
     benches: dict[str, Bench] = {}
-    for name in libs:
+    for lib in libs:
         try:
-            bench = ADAPTERS[name](shape, data, threads)
-            check = check_output(bench.to_numpy(bench.run()), reference)
+            made = ADAPTERS[lib](shape, data, threads)
+        except NotInstalled as exc:
+            status[lib] = {"status": "not installed", "note": str(exc)}
+            continue
+        except Unavailable as exc:
+            status[lib] = {"status": "unavailable", "note": str(exc)}
+            continue
+        except NotApplicable as exc:
+            status[lib] = {"status": "n/a", "note": str(exc)}
+            continue
+        except Exception as exc:  # a peer's set-up problem is reported, not fatal
+            if lib == "attnx":
+                raise
+            status[lib] = {"status": "error", "note": f"{type(exc).__name__}: {exc}"}
+            continue
+        for name, bench in (made.items() if isinstance(made, dict) else [(lib, made)]):
+            try:
+                check = check_output(bench.to_numpy(call_once(bench)), reference)
+            except Exception as exc:
+                if name == "attnx":
+                    raise
+                status[name] = {"status": "error", "note": f"{type(exc).__name__}: {exc}"}
+                continue
+            if bench.exported and not check["ok"]:
+                # A model exported from torch that computes something else is the export's
+                # fault, not the runtime's: the peer is unavailable for this case.
+                status[name] = {"status": "unavailable",
+                                "note": f"{bench.note}: output differs from the reference by {check['max_abs_diff']}"}
+                continue
             status[name] = {"status": "ok", "note": bench.note, **check}
             benches[name] = bench
-        except NotInstalled as exc:
-            status[name] = {"status": "not installed", "note": str(exc)}
-        except Exception as exc:  # a peer's set-up problem is reported, not fatal
-            status[name] = {"status": "error", "note": f"{type(exc).__name__}: {exc}"}
-            if name == "attnx":
-                raise
-        if status[name]["status"] == "ok" and not status[name]["ok"]:
-            log(f"  WARNING: {name} output differs from the reference by {status[name]['max_abs_diff']}")
+            if not check["ok"]:
+                log(f"  WARNING: {name} output differs from the reference by {check['max_abs_diff']}")
     timings = measure_interleaved(benches, opts.rounds, opts.block_seconds, opts.pause_ms / 1e3, progress)
     for name, t in timings.items():
         status[name].update(t)
         status[name]["gflops"] = shape.flops / (t["median_ms"] / 1e3) / 1e9
+    described = {"name": shape.name, "label": shape.label, "kind": shape.kind, "B": shape.B, "H": shape.H,
+                 "L": shape.L, "S": shape.S, "D": shape.D, "E": shape.E, "causal": shape.causal,
+                 "mask_given": shape.mask_given}
+    if shape.kind in LAYER_KINDS:
+        described.update(ff=shape.ff, layers=shape.layers, activation=shape.activation, padded=shape.padded,
+                         memory=shape.memory)
     return {
-        "shape": {"name": shape.name, "label": shape.label, "kind": shape.kind, "B": shape.B, "H": shape.H,
-                  "L": shape.L, "S": shape.S, "D": shape.D, "E": shape.E, "causal": shape.causal,
-                  "mask_given": shape.mask_given},
+        "shape": described,
         "flops": shape.flops,
         "bytes_kv": shape.bytes_kv,
+        "bytes_of": shape.bytes_of,
         "memory_bound": shape.memory_bound,
         "libs": status,
     }
@@ -798,10 +1356,13 @@ def add_comparisons(result: dict, peaks: dict) -> None:
     best = min(valid, key=valid.get) if valid else None
     result["best_peer"] = best
     result["speedup"] = valid[best] / attnx_ms if best else None
-    result["speedup_per_round"] = None
-    if best:
-        pairs = zip(libs[best]["block_medians_ms"], libs["attnx"]["block_medians_ms"])
-        result["speedup_per_round"] = statistics.median(peer / own for peer, own in pairs)
+    # attnx's speed-up over every correct peer: pooled medians, and per round.
+    result["speedups"] = {}
+    for peer, ms in valid.items():
+        pairs = zip(libs[peer]["block_medians_ms"], libs["attnx"]["block_medians_ms"])
+        result["speedups"][peer] = {"speedup": ms / attnx_ms,
+                                    "per_round": statistics.median(p / own for p, own in pairs)}
+    result["speedup_per_round"] = result["speedups"][best]["per_round"] if best else None
     attnx_gflops = libs["attnx"]["gflops"]
     result["attnx_gflops"] = attnx_gflops
     result["attnx_fraction_of_fma_peak"] = attnx_gflops / peaks["fma"]["gflops"]
@@ -865,7 +1426,8 @@ def run_worker(threads: int, opts) -> dict:
         "gemm": measure_gemm_peak(threads, gemm_n, reps),
         "read_bandwidth": measure_read_bandwidth(threads, 512, reps),
         "working_set_bandwidth": {
-            s.name: measure_read_bandwidth(threads, s.bytes_kv / 2**20, 3 * reps) for s in shapes if s.memory_bound
+            s.name: {**measure_read_bandwidth(threads, s.bytes_kv / 2**20, 3 * reps), "of": s.bytes_of}
+            for s in shapes if s.memory_bound
         },
     }
     results = []
@@ -944,13 +1506,28 @@ def fmt_ms(entry: dict) -> str:
     return text if entry.get("ok") else f"{text} (wrong!)"
 
 
+# Peers that one library provides several of, by name: a column each, shown when a run has them.
+PEER_VARIANTS = {"torch": ("torch-recompute", "torch-cached")}
+
+
+def table_columns(run: dict) -> list[str]:
+    """The libraries' columns: LIBRARIES, and the variants some result of `run` has."""
+    present = {name for r in run["results"] for name in r["libs"]}
+    columns = []
+    for lib in LIBRARIES:
+        columns.append(lib)
+        columns.extend(v for v in PEER_VARIANTS.get(lib, ()) if v in present)
+    return columns
+
+
 def markdown_table(run: dict) -> str:
-    head = ["shape", "attnx ms", "numpy ms", "torch ms", "onnxruntime ms", "openvino ms",
-            "best peer", "speed-up", "per round", "attnx GFLOP/s", "% of peak"]
+    columns = table_columns(run)
+    head = ["shape", *[f"{n} ms" for n in columns], "best peer", "speed-up", "per round", "attnx GFLOP/s",
+            "% of peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in run["results"]:
         libs = r["libs"]
-        cells = [r["shape"]["label"]] + [fmt_ms(libs.get(n, {"status": "-"})) for n in LIBRARIES]
+        cells = [r["shape"]["label"]] + [fmt_ms(libs.get(n, {"status": "-"})) for n in columns]
         cells.append(r["best_peer"] or "-")
         cells.append(f"{r['speedup']:.2f}x" if r["speedup"] else "-")
         per_round = r.get("speedup_per_round")
@@ -963,10 +1540,11 @@ def markdown_table(run: dict) -> str:
 
 
 def accuracy_table(run: dict) -> str:
-    lines = ["| shape | " + " | ".join(LIBRARIES) + " |", "|---|" + "|".join("---" for _ in LIBRARIES) + "|"]
+    columns = table_columns(run)
+    lines = ["| shape | " + " | ".join(columns) + " |", "|---|" + "|".join("---" for _ in columns) + "|"]
     for r in run["results"]:
         cells = []
-        for name in LIBRARIES:
+        for name in columns:
             e = r["libs"].get(name, {})
             if e.get("status") != "ok":
                 cells.append(e.get("status", "-"))
@@ -974,6 +1552,18 @@ def accuracy_table(run: dict) -> str:
                 cells.append(f"{e['max_abs_diff']:.1e}" + ("" if e["ok"] else " MISMATCH"))
         lines.append(f"| {r['shape']['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def peer_speedup_lines(run: dict) -> list[str]:
+    """For each transformer case of `run`: attnx's speed-up over every correct peer, pooled and
+    per round (the decoder step has two torch peers, each its own ratio)."""
+    lines = []
+    for r in run["results"]:
+        if r["shape"]["kind"] in LAYER_KINDS and r.get("speedups"):
+            each = ", ".join(f"{peer} {x['speedup']:.2f}x (per round {x['per_round']:.2f}x)"
+                             for peer, x in r["speedups"].items())
+            lines.append(f"{r['shape']['name']}: attnx's speed-up over each peer: {each}")
+    return lines
 
 
 def print_report(report: dict) -> None:
@@ -988,6 +1578,14 @@ def print_report(report: dict) -> None:
     print("FLOPs: sdpa 4*B*H*L*S*D (causal: the computed half, 2*B*H*L*S*D); MHA adds 8*B*L*E^2. "
           "speed-up = best peer's median / attnx's (> 1: attnx faster); per round = the median over "
           "rounds of the same ratio of block medians.")
+    kinds = {r["shape"]["kind"] for run in report["runs"] for r in run.get("results", [])}
+    if kinds & {"encoder-layer", "encoder-stack"}:
+        print("FLOPs of an encoder layer: 2*B*L*(4*E^2 + 2*E*ff) + 4*B*L^2*E (padding counted as computed), "
+              "times the layers.")
+    if "decoder-step" in kinds:
+        print("FLOPs of a decoder step of T new tokens over S cached, memory M: per layer "
+              "2*B*T*(6*E^2 + 2*E*ff) + 4*B*T*(S + T + M)*E (the memory's keys and values are projected once "
+              "per cache, not counted); bytes = those weights and both attentions' K/V, read once (float32).")
     for run in report["runs"]:
         print(f"\n## {run['threads']} thread(s)\n")
         if "error" in run:
@@ -1001,7 +1599,7 @@ def print_report(report: dict) -> None:
               f"{p['read_bandwidth']['gbs']:.1f} GB/s ({p['read_bandwidth']['by']} over "
               f"{p['read_bandwidth']['mib']} MiB)", end="")
         for name, bw in p["working_set_bandwidth"].items():
-            print(f"; read bandwidth over {bw['mib']:.0f} MiB (the K+V of {name}) {bw['gbs']:.1f} GB/s "
+            print(f"; read bandwidth over {bw['mib']:.3g} MiB (the {bw.get('of', 'K+V')} of {name}) {bw['gbs']:.1f} GB/s "
                   f"({bw['by']})", end="")
         print(".\n")
         print(markdown_table(run))
@@ -1009,16 +1607,18 @@ def print_report(report: dict) -> None:
         if background is not None:
             warn = " — WARNING: other work on the machine may have disturbed these timings" if background > 0.05 else ""
             print(f"\nOther processes used {100 * background:.1f}% of the machine's CPU time during this run{warn}.")
-        print("\n% of peak: FMA = attnx GFLOP/s / the FMA peak above; BW = attnx's K+V bytes per second / "
-              "the read bandwidth measured over an array of the K+V size.")
+        print("\n% of peak: FMA = attnx GFLOP/s / the FMA peak above; BW = attnx's bytes read (K+V; for the "
+              "decoder step weights + K/V) per second / the read bandwidth measured over an array of that size.")
         for r in run["results"]:
             if r["memory_bound"]:
-                print(f"{r['shape']['name']}: attnx reads K+V at {r['attnx_read_gbs']:.1f} GB/s = "
+                print(f"{r['shape']['name']}: attnx reads {r.get('bytes_of', 'K+V')} at {r['attnx_read_gbs']:.1f} GB/s = "
                       f"{100 * r['attnx_fraction_of_read_bw']:.0f}% of the {p['read_bandwidth']['mib']} MiB "
                       f"(DRAM) read bandwidth.")
         gemm = ", ".join(f"{r['shape']['name']} {100 * r['attnx_fraction_of_gemm_peak']:.1f}%"
                          for r in run["results"] if not r["memory_bound"])
         print(f"attnx vs achievable GEMM rate: {gemm}")
+        for line in peer_speedup_lines(run):
+            print(line)
         print("\nmax |output - float64 reference|:\n")
         print(accuracy_table(run))
         notes = {}
@@ -1026,8 +1626,8 @@ def print_report(report: dict) -> None:
             for name, e in r["libs"].items():
                 if e.get("note") and e.get("status") == "ok":
                     notes.setdefault(name, set()).add(e["note"])
-                elif e.get("status") == "error":
-                    print(f"- {name} on {r['shape']['label']}: {e['note']}")
+                elif e.get("status") in ("error", "unavailable"):
+                    print(f"- {name} on {r['shape']['label']}: {e['status']}: {e['note']}")
         for name, ns in notes.items():
             print(f"- {name}: {'; '.join(sorted(ns))}")
 
@@ -1040,7 +1640,8 @@ def parse_args(argv=None):
                    help="thread counts, each run in its own subprocess (default: 1 and the core count)")
     p.add_argument("--shapes", nargs="+", help="shapes by number (1-7) or name: "
                    + ", ".join(f"{i}={s.name}" for i, s in enumerate(SHAPES, 1))
-                   + "; named only: " + ", ".join(s.name for s in EXTRA_SHAPES))
+                   + "; named only: " + ", ".join(s.name for s in EXTRA_SHAPES)
+                   + "; transformer layers (named only): " + ", ".join(s.name for s in LAYER_SHAPES))
     p.add_argument("--libs", nargs="+", default=list(LIBRARIES), choices=LIBRARIES,
                    help="libraries to run (attnx is always run)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 7, --quick 2)")
@@ -1052,7 +1653,8 @@ def parse_args(argv=None):
     p.add_argument("--out", "--json", dest="out", metavar="PATH",
                    help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
                         "saved only when this is given)")
-    p.add_argument("--section", help="key of the results file to write (default: compare, or sweep with --sweep)")
+    p.add_argument("--section", help="key of the results file to write (default: compare; sweep with --sweep; "
+                                     "transformer when every shape is a transformer layer)")
     p.add_argument("--no-save", action="store_true", help="print the report only")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--sweep", action="store_true",
@@ -1076,6 +1678,17 @@ def parse_args(argv=None):
     return opts
 
 
+def default_section(opts) -> str:
+    """The results file's section a run writes: "sweep" for --sweep, "transformer" when every
+    shape is a transformer layer (the layers' own section: a run of them alone must not replace
+    the shapes'), else "compare"."""
+    if opts.sweep:
+        return "sweep"
+    if opts.shapes and all(s.kind in LAYER_KINDS for s in select_shapes(opts.shapes)):
+        return "transformer"
+    return "compare"
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     if opts.worker is not None:
@@ -1096,7 +1709,7 @@ def main(argv=None) -> int:
     }
     print_report(report)
     if not opts.no_save and (opts.out or not opts.quick):
-        section = opts.section or ("sweep" if opts.sweep else "compare")
+        section = opts.section or default_section(opts)
         path = results_file.write_section(section, report, opts.out)
         print(f"\nwrote the {section!r} section of {path}")
     return 0 if all("error" not in run for run in report["runs"]) else 1

@@ -5,7 +5,8 @@
 
 prints, for each section the file has, the tables that benchmarks/README.md shows: compare.py's
 per thread count (times, best peer, speed-ups, attnx's fraction of the FMA peak or of the read
-bandwidth), the machine's peaks, the --sweep times and decode.py's table.
+bandwidth; for the transformer layers also the speed-up over each peer), the machine's peaks,
+the --sweep times and decode.py's table.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def peaks_line(run: dict) -> str:
             f"({p['read_bandwidth']['by']}, {p['read_bandwidth']['mib']} MiB)")
     for name, bw in p.get("working_set_bandwidth", {}).items():
         if bw:
-            text += f", {bw['gbs']:.1f} GB/s over {bw['mib']:.0f} MiB (K+V of {name})"
+            text += f", {bw['gbs']:.1f} GB/s over {bw['mib']:.0f} MiB ({bw.get('of', 'K+V')} of {name})"
     return text
 
 
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     m = data.get("machine", {})
     print(f"{m.get('cpu_model')} ({m.get('isa')}, {m.get('cores')} cores, kernel {m.get('kernel')}); "
           f"build {data.get('commit')}: {data.get('build')}")
-    for key in ("compare", "scaling_quick"):
+    for key in ("compare", "transformer", "scaling_quick"):
         if key not in data:
             continue
         v = data[key]["versions"]
@@ -92,6 +93,9 @@ def main(argv=None) -> int:
                 continue
             print(f"\n**{run['threads']} thread(s).** {peaks_line(run)}.{background(run)}\n")
             print(compare.markdown_table(run))
+            speedups = compare.peer_speedup_lines(run)
+            if speedups:
+                print("\n" + "\n".join(f"- {line}" for line in speedups))
     if "scaling_quick" in data:
         print("\nSpeed-up over the best peer and fraction of peak by thread count (compare and scaling_quick):\n")
         print(scaling_table(data["compare"]["runs"] + data["scaling_quick"]["runs"]))

@@ -1,13 +1,15 @@
 """benchmarks/: every command benchmarks/README.md shows starts as written, and the results files
 follow their naming scheme.
 
-The commands run with ``--help`` appended (argparse checks the options before it, then exits),
-so the whole file takes a few seconds; the peers are never imported by ``--help``. plot.py and
-report.py run for real on a results file made here.
+The commands run with ``--help`` appended (argparse checks the options before it, then exits);
+the peers are never imported by ``--help``. plot.py and report.py run for real on a results file
+made here, and compare.py runs for real on the transformer layers' tiny cases (a few seconds of
+timing, the peers' imports and the machine's peaks: marked slow).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -68,7 +70,7 @@ def test_results_files_are_named_by_date_machine_commit():
         name = f"{data['date']}-{data['machine']['label']}-{data['commit']}.json"
         assert path.name == name, (path.name, name)
         assert re.fullmatch(r"[0-9a-f]{7,12}|unknown", data["commit"]), data["commit"]
-        assert {"compare", "decode", "sweep"} & set(data), sorted(data)
+        assert {"compare", "transformer", "decode", "sweep"} & set(data), sorted(data)
         assert data["build"] and data["machine"]["cpu_model"] and data["machine"]["cores"] >= 1
         if "compare" in data:
             threads = {str(r["threads"]) for r in data["compare"]["runs"]}
@@ -134,3 +136,46 @@ def test_report_prints_tables(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| sdpa" not in proc.stdout or "tiny" in proc.stdout
     assert proc.stdout.count("| tiny |") == 2 and "| 128 |" in proc.stdout
+
+
+LAYER_SMOKE_SHAPES = ["encoder-layer-tiny", "encoder-stack-tiny", "decoder-step-tiny"]
+
+
+@pytest.mark.slow
+def test_compare_runs_transformer_layers(tmp_path):
+    """compare.py end to end on small transformer cases: every library set up and checked
+    against the float64 reference, timed in interleaved blocks, attnx's speed-up over each peer,
+    the decoder step's two torch peers, and the table and results file carrying them."""
+    import attnx
+
+    if not hasattr(attnx, "TransformerDecoder"):
+        pytest.skip("this build of attnx has no transformer modules")
+    out = tmp_path / "run.json"
+    proc = run(["benchmarks/compare.py", "--quick", "--threads", "1", "--rounds", "2", "--block-seconds", "0.01",
+                "--pause-ms", "1", "--peak-gflops", "100", "--no-progress", "--shapes", *LAYER_SMOKE_SHAPES,
+                "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    data = json.loads(out.read_text("utf-8"))
+    assert "compare" not in data  # a run of transformer layers alone has its own section
+    (result,) = data["transformer"]["runs"]
+    by_name = {r["shape"]["name"]: r for r in result["results"]}
+    assert list(by_name) == LAYER_SMOKE_SHAPES
+    for name, r in by_name.items():
+        libs = r["libs"]
+        assert libs["attnx"]["status"] == "ok" and libs["attnx"]["ok"], (name, libs["attnx"])
+        for peer, entry in libs.items():
+            # A peer that cannot run a case says why; none fails, none computes something else.
+            assert entry["status"] in ("ok", "not installed", "unavailable", "n/a"), (name, peer, entry)
+            if entry["status"] == "ok":
+                assert entry["ok"] and entry["median_ms"] > 0 and entry["calls"] >= 2, (name, peer, entry)
+        timed = {peer for peer, entry in libs.items() if peer != "attnx" and entry["status"] == "ok"}
+        assert set(r["speedups"]) == timed, (name, r["speedups"])
+        assert r["flops"] > 0 and r["attnx_fraction_of_peak"] > 0, name
+    step = by_name["decoder-step-tiny"]
+    assert step["memory_bound"] and step["bytes_of"] == "weights + K/V"
+    assert not by_name["encoder-layer-tiny"]["memory_bound"]
+    assert "decoder-step-tiny: attnx's speed-up over each peer" in proc.stdout
+    if importlib.util.find_spec("torch") is not None:
+        assert {step["libs"]["torch-recompute"]["status"], step["libs"]["torch-cached"]["status"]} == {"ok"}
+        assert by_name["encoder-layer-tiny"]["libs"]["torch"]["status"] == "ok"
+        assert "torch-recompute ms" in proc.stdout and "torch-cached ms" in proc.stdout
