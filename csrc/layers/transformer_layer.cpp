@@ -31,9 +31,9 @@ using mha::Buffer;
 using mha::rows_view;
 
 // An element of a residual sum and layer norm costs about as much time as
-// this many multiply-adds of threads_for's count: a few passes over the
-// row, with a division and a square root per row.
-constexpr double kNormElementWork = 8;
+// this many multiply-adds of threads_for's count: three passes over the row,
+// from memory rather than registers (measurements: docs/tuning.md).
+constexpr double kNormElementWork = 40;
 
 // Per row r = (n, l) of x: s = x + y (y: contiguous rows of E, or null);
 // sum_out = s where given; out = norm(s) where given (norm then too). out
