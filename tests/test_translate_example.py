@@ -64,6 +64,7 @@ def trained(torch, tmp_path_factory):
     return example, model, path
 
 
+@pytest.mark.slow  # trains a model in torch first
 def test_serving_without_torch_gives_torchs_tokens(trained, tmp_path):
     example, model, path = trained
     tokens = tmp_path / "tokens.npz"
@@ -89,6 +90,7 @@ def test_serving_without_torch_gives_torchs_tokens(trained, tmp_path):
     assert len({tuple(row) for row in reference}) > 10
 
 
+@pytest.mark.slow  # trains a model in torch first
 def test_decoders_agree_in_process_on_odd_batches(trained):
     # Batches of one source, of equal lengths, and fewer steps than a full answer needs.
     example, model, path = trained
@@ -104,6 +106,7 @@ def test_decoders_agree_in_process_on_odd_batches(trained):
         np.testing.assert_array_equal(example.greedy_decode_cached(served, src, steps), reference)
 
 
+@pytest.mark.slow  # trains a model in torch first
 def test_exported_file_holds_torchs_state_and_the_config(trained):
     from safetensors import safe_open
     from safetensors.numpy import load_file
@@ -119,6 +122,7 @@ def test_exported_file_holds_torchs_state_and_the_config(trained):
     assert example.load_model(path).config == example.TINY_CONFIG
 
 
+@pytest.mark.slow  # trains a model in torch first
 def test_main_trains_exports_and_compares(torch, tmp_path, capsys):
     example = load_example()
     out = tmp_path / "cli.safetensors"
