@@ -75,7 +75,7 @@ class TransformerLayerWeights {
       norm_w_[i] = optional_own_view(norm[0], "norm weight");
       norm_b_[i] = optional_own_view(norm[1], "norm bias");
       eps_[i] = norm[2].cast<double>();
-      if (!(eps_[i] > 0)) throw py::value_error("layer norm eps must be > 0");
+      if (!(eps_[i] >= 0)) throw py::value_error("layer norm eps must be >= 0");
     }
     if (py::isinstance<py::str>(activation_)) {
       const std::string name = activation_.cast<std::string>();
@@ -262,7 +262,7 @@ py::array transformer_layer_typed(const TransformerLayerWeights& w, const py::ar
     final_params.weight = vector_data<T>(final_arrays[0], "norm.weight", E);
     final_params.bias = vector_data<T>(final_arrays[1], "norm.bias", E);
     final_params.eps = f[2].cast<T>();
-    if (!(final_params.eps > 0)) throw py::value_error("norm.eps must be > 0");
+    if (!(final_params.eps >= 0)) throw py::value_error("norm.eps must be >= 0");
     a.final_norm = &final_params;
   }
 

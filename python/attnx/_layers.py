@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from ._arrays import additive_mask
+from ._arrays import additive_mask, as_array, is_floating, kernel_layout
 
 _COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -24,14 +24,25 @@ def compute_dtype(layer: Any) -> np.dtype[Any]:
     return np.dtype(np.float64) if layer.self_attn.dtype == np.float64 else np.dtype(np.float32)
 
 
-def _parameter(a: Any, dtype: np.dtype[Any]) -> np.ndarray[Any, Any] | None:
+def _parameter(a: Any, dtype: np.dtype[Any], name: str) -> np.ndarray[Any, Any] | None:
     """`a` itself where the core reads it in place (so values written into it are seen), else a
-    C-contiguous copy in `dtype`."""
+    C-contiguous, aligned copy in `dtype`; TypeError naming `name` for anything but a floating
+    array (torch tensors are read as their values)."""
     if a is None:
         return None
     if type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous and a.flags.aligned:
         return a
-    return np.ascontiguousarray(a, dtype)
+    a = as_array(a, name)
+    if not is_floating(a.dtype):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
+    # np.array(copy=True), not ascontiguousarray: the latter keeps a misaligned array as it is.
+    return np.array(a, dtype=dtype, order="C", copy=True)
+
+
+_NORM_NAMES = ("norm1", "norm2", "norm3")
+_PARAMETER_NAMES = ("linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias") + tuple(
+    f"{norm}.{part}" for norm in _NORM_NAMES for part in ("weight", "bias")
+)
 
 
 def layer_weights(layer: Any) -> _core.TransformerLayerWeights:
@@ -49,7 +60,7 @@ def layer_weights(layer: Any) -> _core.TransformerLayerWeights:
     if kept is not None and kept[1] == eps and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
         return kept[2]
     dtype = compute_dtype(layer)
-    p = [_parameter(a, dtype) for a in arrays]
+    p = [_parameter(a, dtype, name) for a, name in zip(arrays, _PARAMETER_NAMES)]
     weights = _core.TransformerLayerWeights(
         self_attn,
         cross_attn,
@@ -68,7 +79,7 @@ def final_norm(norm: Any, dtype: np.dtype[Any]) -> tuple[Any, Any, float] | None
     """A stack's final norm as the core takes it: (weight, bias, eps), or None."""
     if norm is None:
         return None
-    return _parameter(norm.weight, dtype), _parameter(norm.bias, dtype), float(norm.eps)
+    return _parameter(norm.weight, dtype, "norm.weight"), _parameter(norm.bias, dtype, "norm.bias"), float(norm.eps)
 
 
 def _batch(x: np.ndarray[Any, Any], batch_first: bool) -> tuple[int, int]:
@@ -103,7 +114,7 @@ def encoder_layer(layer: Any, src: np.ndarray[Any, Any], src_mask: Any, src_key_
     masks = _block_masks(src_mask, src_key_padding_mask, dtype, N, weights.num_heads, L, L,
                          ("src_mask", "src_key_padding_mask"))
     return _core.transformer_layer(
-        weights, src, None, masks, None, layer.batch_first, bool(is_causal) and src_mask is None, False,
+        weights, kernel_layout(src), None, masks, None, layer.batch_first, bool(is_causal) and src_mask is None, False,
         final_norm(norm, dtype), None, None,
     )
 
@@ -122,7 +133,7 @@ def decoder_layer(layer: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any,
     cross_masks = _block_masks(memory_mask, memory_key_padding_mask, dtype, N, H, L, S,
                                ("memory_mask", "memory_key_padding_mask"))
     return _core.transformer_layer(
-        weights, tgt, memory, self_masks, cross_masks, layer.batch_first,
+        weights, kernel_layout(tgt), kernel_layout(memory), self_masks, cross_masks, layer.batch_first,
         bool(tgt_is_causal) and tgt_mask is None, bool(memory_is_causal) and memory_mask is None,
         final_norm(norm, dtype), None, None,
     )
@@ -152,14 +163,17 @@ def _memory_projections(layer: Any, memory: np.ndarray[Any, Any], batch_first: b
     N, S = rows.shape[:2]
     rows = np.ascontiguousarray(rows).reshape(N * S, E)
     if mha.in_proj_weight is not None:
-        w = (mha.in_proj_weight[E : 2 * E], mha.in_proj_weight[2 * E :])
+        w = _parameter(mha.in_proj_weight, dtype, "multihead_attn.in_proj_weight")
+        weights = (w[E : 2 * E], w[2 * E :])
     else:
-        w = (mha.k_proj_weight, mha.v_proj_weight)
-    b = (None, None) if mha.in_proj_bias is None else (mha.in_proj_bias[E : 2 * E], mha.in_proj_bias[2 * E :])
+        weights = (_parameter(mha.k_proj_weight, dtype, "multihead_attn.k_proj_weight"),
+                   _parameter(mha.v_proj_weight, dtype, "multihead_attn.v_proj_weight"))
+    b = _parameter(mha.in_proj_bias, dtype, "multihead_attn.in_proj_bias")
+    biases = (None, None) if b is None else (b[E : 2 * E], b[2 * E :])
     projected = []
-    for weight, bias in zip(w, b):
+    for weight, bias in zip(weights, biases):
         out = np.empty((N * S, E), dtype)
-        _core.linear(rows, np.ascontiguousarray(weight, dtype), None if bias is None else np.ascontiguousarray(bias, dtype), out)
+        _core.linear(rows, weight, bias, out)
         projected.append(out.reshape(N, S, H, E // H).transpose(0, 2, 1, 3))
     return tuple(projected)
 
@@ -175,17 +189,24 @@ def decoder_step(decoder: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any
     N, T = _batch(tgt, batch_first)
     S = _batch(memory, batch_first)[1]
     H = first.self_attn.num_heads
+    # Every layer's parameters checked before anything is projected or appended.
+    weights = [layer_weights(layer) for layer in layers]
     cross_masks = _block_masks(memory_mask, memory_key_padding_mask, dtype, N, H, T, S,
                                ("memory_mask", "memory_key_padding_mask"))
-    memory_kv = cache._memory_keys_values(memory, lambda: [_memory_projections(layer, memory, batch_first, dtype) for layer in layers])
+    norm = final_norm(decoder.norm, dtype)
+    tgt, memory = kernel_layout(tgt), kernel_layout(memory)
+    # The memory's projections are kept with the cross-attention parameters they were made with.
+    owners = tuple(layer.multihead_attn._weights() for layer in layers)
+    memory_kv = cache._memory_keys_values(
+        memory, owners, lambda: [_memory_projections(layer, memory, batch_first, dtype) for layer in layers]
+    )
     lengths = [c.storage().lengths for c in cache.layers]
     before = [n.copy() for n in lengths]
-    norm = final_norm(decoder.norm, dtype)
     x = tgt
     try:
         for i, layer in enumerate(layers):
             x = _core.transformer_layer(
-                layer_weights(layer), x, memory, None, cross_masks, batch_first, False, False,
+                weights[i], x, memory, None, cross_masks, batch_first, False, False,
                 norm if i == len(layers) - 1 else None, cache.layers[i], memory_kv[i],
             )
     except BaseException:

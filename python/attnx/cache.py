@@ -414,7 +414,9 @@ class TransformerDecoderCache:
     Each layer's self-attention keeps the keys and values of the tokens decoded so far in a
     :class:`KVCache` of its own (``layers``); the keys and values its cross-attention reads from
     the memory are projected at the first step and kept while the steps' memory has the same
-    values (a different memory is projected anew).
+    values and no cross-attention parameter has been assigned (otherwise they are projected
+    anew; values written into a parameter in place between the steps of one cache are not
+    seen by the kept projections).
 
     Parameters
     ----------
@@ -448,7 +450,7 @@ class TransformerDecoderCache:
     ) -> None:
         num_layers = as_positive_int(num_layers, "num_layers")
         self.layers: list[KVCache] = [KVCache(batch, num_heads, max_len, head_dim, dtype) for _ in range(num_layers)]
-        self._memory: tuple[np.ndarray[Any, Any], list[Any]] | None = None
+        self._memory: tuple[np.ndarray[Any, Any], tuple[Any, ...], list[Any]] | None = None
 
     @property
     def lengths(self) -> IntArray:
@@ -480,15 +482,17 @@ class TransformerDecoderCache:
         if index is None:
             self._memory = None
 
-    def _memory_keys_values(self, memory: np.ndarray[Any, Any], project: Any) -> list[Any]:
+    def _memory_keys_values(self, memory: np.ndarray[Any, Any], owners: tuple[Any, ...], project: Any) -> list[Any]:
         """Each layer's (keys, values) over `memory`: those kept if `memory` has the values of
-        the last one, else ``project()``'s, kept from now on."""
+        the last one and `owners` (the layers' cross-attention parameters) are the same objects,
+        else ``project()``'s, kept from now on."""
         kept = self._memory
         if kept is not None and kept[0].shape == memory.shape and kept[0].dtype == memory.dtype:
-            if np.array_equal(kept[0], memory):
-                return kept[1]
+            if len(kept[1]) == len(owners) and all(a is b for a, b in zip(kept[1], owners)):
+                if np.array_equal(kept[0], memory):
+                    return kept[2]
         projections = project()
-        self._memory = (memory.copy(), projections)
+        self._memory = (memory.copy(), owners, projections)
         return projections
 
     def __repr__(self) -> str:

@@ -8,11 +8,13 @@
 // its relative accuracy where Phi(x) is tiny, which 1 + erf(x / sqrt 2)
 // loses, and needs no blend. erfc(z) = t exp(-z^2 + P(t)) with
 // t = 1 / (1 + z / 2) and P of degree 9 (docs/tuning.md: the fit and its
-// error): one division, one exponential, 12 multiply-adds.
+// error): one division, one exponential, 13 multiply-adds.
 //
-// a is clamped to the largest finite value, so that +-inf give +inf and 0
-// (the limits) rather than inf * 0; a NaN passes through max and min (their
-// second operand) and stays NaN.
+// a is clamped to the largest finite value, so that +inf gives +inf rather
+// than inf * 0; -inf gives NaN, as 0.5 x (1 + erf(x / sqrt 2)) does (an
+// infinity is not silently zeroed): min(x, 0) * 0 is added, which is 0 for
+// every other x. A NaN passes through max and min (their second operand)
+// and stays NaN.
 //
 // double (and the portable type): the C library's erfc lane by lane, by the
 // same formula.
@@ -50,7 +52,7 @@ typename Vec::V vector_gelu_f32(typename Vec::V x) {
   for (int k = 8; k >= 0; --k) p = Vec::fmadd(p, t, Vec::set1(C::kP[k]));
   // -z^2 + P(t) - ln 2, z^2 = a^2 / 2.
   const V h = Vec::mul(t, Vec::exp(Vec::fnmadd(Vec::mul(a, Vec::set1(0.5f)), a, p)));
-  return Vec::fnmadd(a, h, Vec::max(zero, x));
+  return Vec::fmadd(Vec::min(zero, x), zero, Vec::fnmadd(a, h, Vec::max(zero, x)));
 }
 
 // x Phi(x) by the C library's erfc, as vector_gelu_f32 computes it.
@@ -59,7 +61,7 @@ T scalar_gelu(T x) {
   if (std::isnan(x)) return x;
   const T a = std::fmin(std::fabs(x), std::numeric_limits<T>::max());
   const T h = T(0.5) * std::erfc(a * T(0.70710678118654752440));
-  return std::fmax(x, T(0)) - a * h;
+  return std::fmax(x, T(0)) - a * h + std::fmin(x, T(0)) * T(0);
 }
 
 // scalar_gelu lane by lane, through memory.
