@@ -55,7 +55,7 @@ def test_short_fixed_seed_fuzz_run(tmp_path):
     outcomes = result["outcomes"]
     # Every entry point ran, and the oracle compared results.
     for entry in ("fuzz_sdpa", "fuzz_mha", "fuzz_module", "fuzz_core", "fuzz_set_num_threads", "fuzz_cache",
-                  "fuzz_step"):
+                  "fuzz_step", "fuzz_transformer_layer", "fuzz_transformer_step"):
         assert outcomes.get(f"entry {entry}", 0) > 0, entry
     assert outcomes.get("result checked", 0) > inputs // 5
 
@@ -111,6 +111,41 @@ def test_the_step_oracle_catches_a_wrong_result_and_a_late_error(monkeypatch):
 
     monkeypatch.setattr(fz.attnx, "multi_head_attention_step", late_error)
     assert count_failures() > 10
+
+
+@pytest.mark.slow
+def test_the_transformer_oracles_catch_a_wrong_result_and_a_late_error(monkeypatch):
+    """The transformer entries' checks have teeth: an encoder layer 0.1% off fails, a decoding
+    step 1% off fails, and so does a step that appends its positions and then raises."""
+    fz = load_fuzz_module()
+    from attnx import _layers
+
+    def failures(entry, message, inputs=400):
+        index = bytes([fz.ENTRY_POINTS.index(entry)])
+        caught = 0
+        for i in range(inputs):
+            try:
+                fz.TestOneInput(index + np.random.default_rng(i).bytes(300))
+            except Exception as exc:  # noqa: BLE001 - only the failures of the sabotage are counted
+                caught += message in str(exc)
+        return caught
+
+    real_layer = _layers.encoder_layer
+    monkeypatch.setattr(_layers, "encoder_layer", lambda *a, **k: real_layer(*a, **k) * 1.001)
+    assert failures(fz.fuzz_transformer_layer, "not equal to the reference", 600) > 10
+    monkeypatch.setattr(_layers, "encoder_layer", real_layer)
+
+    real_step = attnx.TransformerDecoder.step
+    monkeypatch.setattr(attnx.TransformerDecoder, "step", lambda self, *a, **k: real_step(self, *a, **k) * 1.01)
+    assert failures(fz.fuzz_transformer_step, "not equal to the reference", 200) > 10
+
+    def late_error(self, *a, **k):
+        real_step(self, *a, **k)
+        raise ValueError("after the append")
+
+    monkeypatch.setattr(attnx.TransformerDecoder, "step", late_error)
+    assert failures(fz.fuzz_transformer_step, "raised after appending", 200) > 10
+
 
 # ---------------------------------------------------------------------------------------------
 # Regressions found by the fuzzer
