@@ -1,6 +1,6 @@
 // What the bindings of multi-head attention share with those of transformer
-// layers: the checked parameters of multi-head attention (_core.MhaWeights)
-// and the storage of a KVCache.
+// layers: the views of parameter arrays, the checked parameters of
+// multi-head attention (_core.MhaWeights) and the storage of a KVCache.
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -14,6 +14,20 @@
 #include "bindings/array_views.h"
 
 namespace attnx::bindings {
+
+// A new ndarray over the memory of the numpy.ndarray `h` (TypeError naming
+// `name` for anything else), which only the parameters holding it
+// reference: its shape and strides stay the ones checked.
+inline py::array own_view(const py::handle& h, const char* name) {
+  if (!py::isinstance<py::array>(h))
+    throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " +
+                         std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+  return py::reinterpret_borrow<py::array>(h).attr("view")();
+}
+// own_view, or nothing for None.
+inline OptArray optional_own_view(const py::handle& h, const char* name) {
+  return h.is_none() ? OptArray() : OptArray(own_view(h, name));
+}
 
 // The parameters of multi-head attention, checked once: float32 or float64
 // arrays of the shapes torch's module has. It keeps its own ndarray views of
@@ -32,19 +46,19 @@ class MhaWeights {
     if (projections.size() != 3 || out_projection.size() != 2)
       throw py::value_error("MhaWeights: projections must be (w_q, w_k, w_v), out_projection "
                             "(w_out, b_out)");
-    for (int i = 0; i < 3; ++i) w_[i] = own_view(as_array(projections[i], names[i]));
-    w_[3] = own_view(as_array(out_projection[0], names[3]));
-    b_[3] = optional_array(out_projection[1], "out_proj_bias");
+    for (int i = 0; i < 3; ++i) w_[i] = own_view(projections[i], names[i]);
+    w_[3] = own_view(out_projection[0], names[3]);
+    b_[3] = optional_own_view(out_projection[1], "out_proj_bias");
     if (!in_biases.is_none()) {
       const auto biases = in_biases.cast<py::tuple>();
       if (biases.size() != 3) throw py::value_error("MhaWeights: in_biases must be (b_q, b_k, b_v)");
-      for (int i = 0; i < 3; ++i) b_[i] = optional_array(biases[i], "in_proj_bias");
+      for (int i = 0; i < 3; ++i) b_[i] = optional_own_view(biases[i], "in_proj_bias");
     }
     if (!bias_kv.is_none()) {
       const auto pair = bias_kv.cast<py::tuple>();
       if (pair.size() != 2) throw py::value_error("MhaWeights: bias_kv must be (bias_k, bias_v)");
-      bias_kv_[0] = optional_array(pair[0], "bias_k");
-      bias_kv_[1] = optional_array(pair[1], "bias_v");
+      bias_kv_[0] = optional_own_view(pair[0], "bias_k");
+      bias_kv_[1] = optional_own_view(pair[1], "bias_v");
     }
     // The compute dtype: float64 for float64 results, else float32.
     is_double_ = dtype_.equal(py::dtype::of<double>());
@@ -116,19 +130,6 @@ class MhaWeights {
   template <typename T>
   static const T* data_of(const OptArray& a) {
     return a ? static_cast<const T*>(a->data()) : nullptr;
-  }
-
-  // A new ndarray over the same memory, which only these weights reference:
-  // its shape and strides stay the ones checked.
-  static py::array own_view(const py::array& a) { return a.attr("view")(); }
-  static py::array as_array(const py::handle& h, const char* name) {
-    if (!py::isinstance<py::array>(h))
-      throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " +
-                           std::string(py::str(py::type::handle_of(h).attr("__name__"))));
-    return py::reinterpret_borrow<py::array>(h);
-  }
-  static OptArray optional_array(const py::handle& h, const char* name) {
-    return h.is_none() ? OptArray() : OptArray(own_view(as_array(h, name)));
   }
 
   int64_t num_heads_;

@@ -23,18 +23,6 @@
 namespace attnx::bindings {
 namespace {
 
-// A new ndarray over the same memory, which only these weights reference:
-// its shape and strides stay the ones checked.
-py::array own_view(const py::handle& h, const char* name) {
-  if (!py::isinstance<py::array>(h))
-    throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " +
-                         std::string(py::str(py::type::handle_of(h).attr("__name__"))));
-  return py::reinterpret_borrow<py::array>(h).attr("view")();
-}
-OptArray optional_own_view(const py::handle& h, const char* name) {
-  return h.is_none() ? OptArray() : OptArray(own_view(h, name));
-}
-
 // The parameters of one encoder or decoder layer, checked once. The
 // attention blocks are MhaWeights (kept alive here); the linear layers and
 // norms are views of the caller's arrays, whose values written in place are

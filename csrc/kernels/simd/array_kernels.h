@@ -47,14 +47,7 @@ struct ArrayKernels {
   // count: the tail of a row by a partial load and store): x holds the
   // scores divided by the cap (see SdpaArgs::query_scale).
   static void softcap(T* x, int64_t rows, int64_t ld, int64_t cols, T cap) {
-    const auto capped = [cap](V y) { return Vec::tanh_times(y, cap); };
-    const int tail = static_cast<int>(cols % W);
-    for (int64_t r = 0; r < rows; ++r) {
-      T* row = x + r * ld;
-      int64_t j = 0;
-      for (; j + W <= cols; j += W) Vec::store(row + j, capped(Vec::load(row + j)));
-      if (tail) Vec::store_partial(row + j, capped(Vec::load_partial(row + j, tail)), tail);
-    }
+    map_rows<Vec>(x, rows, ld, cols, [cap](V y) { return Vec::tanh_times(y, cap); });
   }
 
   // dst[c * lanes + r] = scale * src[r * ld + c] for r < rows, c < cols, and

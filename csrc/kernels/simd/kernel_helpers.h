@@ -1,5 +1,5 @@
-// Helpers shared by the kernels of one instruction set: cache-line requests
-// and local min / max.
+// Helpers shared by the kernels of one instruction set: cache-line requests,
+// an elementwise pass over rows, and local min / max.
 // Included only by the kernels' parts (see attention_kernels.h), so that it
 // is compiled only with the flags of the instruction set that runs it.
 #pragma once
@@ -56,6 +56,21 @@ inline void request_line(const LineRange& lines, int64_t k) {
 #else
   (void)lines, (void)k;
 #endif
+}
+
+// x[r * ld + j] = f(x[r * ld + j]) for r < rows, j < cols (any count: the
+// tail of a row by a partial load and store), f taking and giving a vector
+// of Vec.
+template <class Vec, class F>
+void map_rows(typename Vec::T* x, int64_t rows, int64_t ld, int64_t cols, F f) {
+  constexpr int W = Vec::W;
+  const int tail = static_cast<int>(cols % W);
+  for (int64_t r = 0; r < rows; ++r) {
+    typename Vec::T* row = x + r * ld;
+    int64_t j = 0;
+    for (; j + W <= cols; j += W) Vec::store(row + j, f(Vec::load(row + j)));
+    if (tail) Vec::store_partial(row + j, f(Vec::load_partial(row + j, tail)), tail);
+  }
 }
 
 // Local min/max: a std:: template instantiated here could be merged by the

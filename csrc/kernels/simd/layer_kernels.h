@@ -9,6 +9,7 @@
 
 #include "attnx/activation.h"
 #include "kernels/kernel_table.h"
+#include "kernels/simd/kernel_helpers.h"
 
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
@@ -21,22 +22,11 @@ struct LayerKernels {
   using V = typename Vec::V;
   static constexpr int W = Vec::W;
 
-  template <class F>
-  static void map_rows(T* x, int64_t rows, int64_t ld, int64_t cols, F f) {
-    const int tail = static_cast<int>(cols % W);
-    for (int64_t r = 0; r < rows; ++r) {
-      T* row = x + r * ld;
-      int64_t j = 0;
-      for (; j + W <= cols; j += W) Vec::store(row + j, f(Vec::load(row + j)));
-      if (tail) Vec::store_partial(row + j, f(Vec::load_partial(row + j, tail)), tail);
-    }
-  }
-
   static void activate(T* x, int64_t rows, int64_t ld, int64_t cols, Activation kind) {
     if (kind == Activation::kRelu)
-      map_rows(x, rows, ld, cols, [](V v) { return Vec::relu(v); });
+      map_rows<Vec>(x, rows, ld, cols, [](V v) { return Vec::relu(v); });
     else if (kind == Activation::kGelu)
-      map_rows(x, rows, ld, cols, [](V v) { return Vec::gelu(v); });
+      map_rows<Vec>(x, rows, ld, cols, [](V v) { return Vec::gelu(v); });
   }
 
   // The row's values are summed by W lanes and then across them, and the
