@@ -319,14 +319,7 @@ def window_bounds(window, name: str = "window") -> tuple:
         if value is None:
             bounds.append(-1)
             continue
-        if isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{name} {side} must be an int >= 0 or None, got {value!r}")
-        try:
-            n = operator.index(value)
-        except TypeError:
-            raise TypeError(f"{name} {side} must be an int >= 0 or None, got {value!r}") from None
-        if n < 0:
-            raise ValueError(f"{name} {side} must be >= 0 or None, got {n}")
+        n = as_int(value, f"{name} {side}", 0, "an int >= 0 or None", ">= 0 or None")
         bounds.append(min(n, _WINDOW_MAX))
     return tuple(bounds)
 
@@ -346,17 +339,23 @@ def as_lengths(lengths, count: int, upper: int, name: str, what: str) -> np.ndar
     return np.array(a, dtype=np.int64, order="C", copy=True)
 
 
-def as_positive_int(value, name: str) -> int:
-    """`value` as an int >= 1; bools and non-integral numbers raise TypeError."""
+def as_int(value, name: str, least: int, kind: str, bound: str) -> int:
+    """`value` as an int >= `least`. Bools and non-integral numbers raise TypeError
+    ("{name} must be {kind}, got ..."), smaller ints ValueError ("{name} must be {bound}, got ...")."""
     if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a positive integer, got {value!r}")
+        raise TypeError(f"{name} must be {kind}, got {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be a positive integer, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"{name} must be a positive integer, got {n}")
+        raise TypeError(f"{name} must be {kind}, got {value!r}") from None
+    if n < least:
+        raise ValueError(f"{name} must be {bound}, got {n}")
     return n
+
+
+def as_positive_int(value, name: str) -> int:
+    """`value` as an int >= 1; bools and non-integral numbers raise TypeError."""
+    return as_int(value, name, 1, "a positive integer", "a positive integer")
 
 
 def check_heads(embed_dim: int, num_heads: int) -> int:

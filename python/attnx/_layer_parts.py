@@ -10,12 +10,11 @@ in torch's order; the other functions check the arguments of the classes' forwar
 from __future__ import annotations
 
 import math
-import operator
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, TypeVar
 
 import numpy as np
 
-from ._arrays import as_array, as_bool_flag, as_positive_int, is_floating, shape_str
+from ._arrays import as_array, as_bool_flag, as_int, as_positive_int, is_floating, shape_str
 from .modules import (
     LoadStateDictResult,
     MultiheadAttention,
@@ -666,12 +665,4 @@ def _xavier_uniform(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.
 
 def _square_size(sz: Any) -> int:
     """`sz` as an int >= 0 (bools and non-integral numbers: TypeError)."""
-    if isinstance(sz, (bool, np.bool_)):
-        raise TypeError(f"sz must be an int >= 0, got {sz!r}")
-    try:
-        n = operator.index(sz)
-    except TypeError:
-        raise TypeError(f"sz must be an int >= 0, got {sz!r}") from None
-    if n < 0:
-        raise ValueError(f"sz must be >= 0, got {n}")
-    return n
+    return as_int(sz, "sz", 0, "an int >= 0", ">= 0")

@@ -16,9 +16,6 @@ import numpy as np
 from . import _core
 from ._arrays import additive_mask, as_array, is_floating, kernel_layout
 
-_COMPUTE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
 def compute_dtype(layer: Any) -> np.dtype[Any]:
     """float64 for float64 layers, else float32 (half-precision parameters are storage)."""
     return np.dtype(np.float64) if layer.self_attn.dtype == np.float64 else np.dtype(np.float32)

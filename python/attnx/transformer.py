@@ -458,9 +458,8 @@ class TransformerDecoder(_Stack):
         memory_mask = _attn_mask(memory_mask, "memory_mask", N, H, T, S, batched)
         padding = _padding_mask(memory_key_padding_mask, "memory_key_padding_mask", N, S, batched)
         cache.layers[0].check_room(np.full(N, T, np.int64))
-        if T == 0:
-            return _result(_layers.layer_norm(x, self.norm) if self.norm is not None else x, batched,
-                           first.batch_first, first.dtype)
+        if T == 0:  # no positions: nothing to compute or append
+            return _result(x, batched, first.batch_first, first.dtype)
         out = _layers.decoder_step(self, x, mem, cache, padding, memory_mask)
         return _result(out, batched, first.batch_first, first.dtype)
 
