@@ -698,6 +698,22 @@ def _to_bsh(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.transpose(0, 2, 1, 3)).reshape(B, N, H * D)
 
 
+def _ort_bound_run(session, feeds: dict) -> Callable[[], Any]:
+    """A call of `session` on `feeds`, bound once (zero-copy), as a server would: its output
+    "output" as an array."""
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, array)
+    binding.bind_output("output")
+
+    def run():
+        assert feeds  # bound zero-copy: the arrays must live as long as the binding
+        session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0]
+
+    return run
+
+
 def _ort_options(ort, threads: int):
     """Session options: `threads` intra-op threads that do not spin, all graph optimisations."""
     options = ort.SessionOptions()
@@ -730,17 +746,7 @@ def setup_onnxruntime(shape: Shape, data, threads: int) -> Bench:
         to_numpy = np.asarray
         note = "MatMul+Add, Split, com.microsoft.MultiHeadAttention, MatMul+Add"
 
-    binding = session.io_binding()  # inputs bound once (zero-copy), as a server would
-    for name, array in feeds.items():
-        binding.bind_cpu_input(name, array)
-    binding.bind_output("output")
-
-    def run():
-        assert feeds  # bound zero-copy: the arrays must live as long as the binding
-        session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()[0]
-
-    return Bench(run, to_numpy, note=note)
+    return Bench(_ort_bound_run(session, feeds), to_numpy, note=note)
 
 
 def _openvino_ops():
@@ -1061,17 +1067,7 @@ def setup_onnxruntime_layer(shape: Shape, data, threads: int) -> Bench:
     except Exception as exc:
         raise Unavailable(f"ONNX Runtime cannot load the exported model: {type(exc).__name__}: {exc}") from None
     feeds = _layer_feeds(shape, data)
-    binding = session.io_binding()
-    for name, array in feeds.items():
-        binding.bind_cpu_input(name, array)
-    binding.bind_output("output")
-
-    def run():
-        assert feeds  # bound zero-copy: the arrays must live as long as the binding
-        session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()[0]
-
-    return Bench(run, layer_output_view(shape, data), exported=True,
+    return Bench(_ort_bound_run(session, feeds), layer_output_view(shape, data), exported=True,
                  note="the torch module exported with torch.onnx.export(dynamo=False), opset 17")
 
 
