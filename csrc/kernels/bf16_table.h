@@ -1,0 +1,61 @@
+// The kernels of precision "bfloat16": products whose operands are rounded to
+// bfloat16 and whose sums are float32. Operands travel as pairs: a uint32_t
+// holds two bfloat16 values, element 2p in its low half and 2p + 1 in its
+// high half (the layout of AVX512_BF16's vdpbf16ps). Each instruction set
+// fills one table (native vdpbf16ps where the CPU has AVX512_BF16, else the
+// same arithmetic emulated with float32 multiply-adds), and the dispatcher
+// picks one at import (dispatch/isa.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kernel_table.h"
+
+namespace attnx {
+
+struct Bf16KernelTable {
+  const char* name;  // recipe, e.g. "bf16_products__avx512bf16_mr12_nr32"
+  Isa isa;           // the float32 kernels this table goes with
+  bool native;       // vdpbf16ps (else emulated)
+  int panel_width;   // columns of C per gemm panel (pack B in panels this wide)
+
+  // C[m][n] = init + sum over pairs p < K2 of A(m, p) . B[p][n], for m < M,
+  // n < N, where A(m, p) = a[m * a_row + p * a_col] and B[p] is a row of N
+  // pairs, rows ldb pairs apart; C is float32, row-major, rows ldc apart.
+  // A pair adds its high products first, then its low ones, each a float32
+  // multiply-add of an exact product (vdpbf16ps's order and rounding), and
+  // sums run over at most kSumRun elements before they are folded into C as
+  // the float32 gemm does (GemmInit::kAddSum), so that every table gives the
+  // same bits for operands and sums that are not subnormal.
+  void (*gemm)(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t a_row,
+               int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+               GemmInit init, const float* init_values);
+
+  // Rounding to bfloat16, to nearest even, as vcvtneps2bf16: a subnormal
+  // becomes a zero of its sign, a NaN a quiet NaN of its sign.
+  // dst[i] = the bfloat16 bits of src[i], i < n.
+  void (*round)(const float* src, int64_t n, uint16_t* dst);
+  // x[i] = the bfloat16 nearest x[i] (the same rounding), as a float32.
+  void (*round_in_place)(float* x, int64_t n);
+
+  // Pairs from a K x N float32 matrix X(k, n) = src[k * ld_k + n * ld_n],
+  // multiplied by `scale` and rounded:
+  //   dst[p * ldd + n] = bf16(scale X(2p, n)) | bf16(scale X(2p + 1, n)) << 16
+  // for p < (K + 1) / 2, n < N; the high half is 0 where 2p + 1 == K.
+  // Either ld_k or ld_n may be 1 (rows of pairs from rows of X, or from its
+  // columns: a transposing pack).
+  void (*pack_pairs)(const float* src, int64_t ld_k, int64_t ld_n, int64_t K, int64_t N,
+                     float scale, uint32_t* dst, int64_t ldd);
+};
+
+const Bf16KernelTable& scalar_bf16_kernels();
+#if defined(ATTNX_HAVE_X86_KERNELS)
+const Bf16KernelTable& avx2_bf16_kernels();
+const Bf16KernelTable& avx512_bf16_kernels();         // emulated on AVX-512F
+const Bf16KernelTable& avx512_native_bf16_kernels();  // vdpbf16ps
+#endif
+
+// The table chosen by the dispatcher for precision "bfloat16".
+const Bf16KernelTable& active_bf16_kernels();
+
+}  // namespace attnx
