@@ -16,27 +16,43 @@
 namespace attnx::sdpa {
 
 // Rows of one (b, head) of the keys or the values, as T: read in place, or
-// widened from 16-bit storage into a buffer one block at a time.
+// widened from 16-bit or int8 storage into a buffer one block at a time.
 template <typename T>
 struct RowReader {
   const T* native = nullptr;
   const uint16_t* bits = nullptr;
   int bits_kind = 0;  // 0 float16, 1 bfloat16: the index of the 16-bit row kernels
+  const int8_t* q8 = nullptr;      // int8 rows, row j scaled by scales[j]
+  const float* scales = nullptr;
   int64_t ld = 0, dim = 0;
   void (*widen)(const uint16_t*, int64_t, float*) = nullptr;
 
+  // Whether the rows are read in place by the kernels that take the storage
+  // itself (16-bit or int8), rather than as T.
+  bool stored() const { return bits || q8; }
+
   // Rows [j0, j0 + n); sets row_stride. buf holds n * dim values.
   const T* rows(int64_t j0, int64_t n, T* buf, int64_t& row_stride) const {
-    if (!bits) {
+    if (!stored()) {
       row_stride = ld;
       return native + j0 * ld;
     }
     if constexpr (std::is_same_v<T, float>) {
-      const uint16_t* src = bits + j0 * ld;
-      if (ld == dim) {
-        widen(src, n * dim, buf);
+      if (q8) {
+        // element = scale * q, as the int8 row kernels take it.
+        for (int64_t j = 0; j < n; ++j) {
+          const int8_t* src = q8 + (j0 + j) * ld;
+          const float s = scales[j0 + j];
+          float* dst = buf + j * dim;
+          for (int64_t i = 0; i < dim; ++i) dst[i] = s * float(src[i]);
+        }
       } else {
-        for (int64_t j = 0; j < n; ++j) widen(src + j * ld, dim, buf + j * dim);
+        const uint16_t* src = bits + j0 * ld;
+        if (ld == dim) {
+          widen(src, n * dim, buf);
+        } else {
+          for (int64_t j = 0; j < n; ++j) widen(src + j * ld, dim, buf + j * dim);
+        }
       }
     }
     row_stride = dim;
@@ -52,14 +68,17 @@ RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_
   if (v.storage == Storage::kNative) {
     r.native = v.native.at(b, h);
   } else if constexpr (std::is_same_v<T, float>) {
-    r.bits = v.bits.at(b, h);
-    r.bits_kind = v.storage == Storage::kFloat16 ? 0 : 1;
-    r.widen = v.storage == Storage::kFloat16 ? kt.widen_float16 : kt.widen_bfloat16;
+    if (v.storage == Storage::kInt8) {
+      r.q8 = v.q8.at(b, h);
+      r.scales = v.scales.at(b, h);
+    } else {
+      r.bits = v.bits.at(b, h);
+      r.bits_kind = v.storage == Storage::kFloat16 ? 0 : 1;
+      r.widen = v.storage == Storage::kFloat16 ? kt.widen_float16 : kt.widen_bfloat16;
+    }
   }
   return r;
 }
-
-
 
 // A whole row's scores p[0..n), masked (closed keys -inf), made its
 // probabilities: zeros for a row with no open key; else max-subtracted

@@ -58,6 +58,8 @@ LineRange stored_row_lines(const StoredView<T>& v, int64_t b, int64_t h, int64_t
                            int64_t rows) {
   if (v.storage == Storage::kNative)
     return row_lines(v.native.at(b, h, j0), v.native.stride[2], rows, v.native.shape[3]);
+  if (v.storage == Storage::kInt8)
+    return row_lines(v.q8.at(b, h, j0), v.q8.stride[2], rows, v.q8.shape[3]);
   return row_lines(v.bits.at(b, h, j0), v.bits.stride[2], rows, v.bits.shape[3]);
 }
 

@@ -147,6 +147,16 @@ struct KernelTable {
                           int64_t n_keys, int64_t dim, T scale, T* const* dst, bool stream);
   void (*accumulate_pv_16bit[2])(const T* const* p, int rows, const uint16_t* v, int64_t ldv,
                                  int64_t n_keys, int64_t dim, T* const* acc, bool stream);
+  // The same from int8 rows with a float32 scale per row (element j, i =
+  // scales[j] * x[j][i]; float tables only): dst[r][j] = scale * (scales[j] *
+  // <q[r], k_j>), and acc[r] += sum_j (p[r][j] * scales[j]) * v_j, the int8
+  // values converted exactly in registers.
+  void (*scores_int8)(const T* const* q, int rows, const int8_t* k, int64_t ldk,
+                      const float* scales, int64_t n_keys, int64_t dim, T scale, T* const* dst,
+                      bool stream);
+  void (*accumulate_pv_int8)(const T* const* p, int rows, const int8_t* v, int64_t ldv,
+                             const float* scales, int64_t n_keys, int64_t dim, T* const* acc,
+                             bool stream);
 
   // Transformer layers.
   // x[r * ld + j] = kind(x[r * ld + j]) for r < rows, j < cols (any count).

@@ -60,6 +60,8 @@ struct Kernels {
                      nullptr,
                      {nullptr, nullptr},
                      {nullptr, nullptr},
+                     nullptr,
+                     nullptr,
                      Layers::activate,
                      Layers::add_layer_norm};
     if constexpr (Vec::kWidens16) {
@@ -69,6 +71,8 @@ struct Kernels {
       t.scores_16bit[1] = Rows::template scores_of<Stored::kBfloat16, uint16_t>;
       t.accumulate_pv_16bit[0] = Rows::template accumulate_pv_of<Stored::kFloat16, uint16_t>;
       t.accumulate_pv_16bit[1] = Rows::template accumulate_pv_of<Stored::kBfloat16, uint16_t>;
+      t.scores_int8 = Rows::scores_int8;
+      t.accumulate_pv_int8 = Rows::accumulate_pv_int8;
     }
     return t;
   }

@@ -58,6 +58,14 @@ struct Avx512F32 {
   static V load_widen_bf16_partial(const uint16_t* p, int n) {
     return widen_bf16(_mm256_maskz_loadu_epi16(first(n), p));
   }
+  // 16 (or the first n, zeros above; masked) int8 values as floats, exactly:
+  // vpmovsxbd then vcvtdq2ps.
+  static V load_widen_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_widen_i8_partial(const int8_t* p, int n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(first(n), p)));
+  }
   static V widen_bf16(__m256i h) {
     const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
     const __mmask16 nan = _mm512_cmpgt_epi32_mask(

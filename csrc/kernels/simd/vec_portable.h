@@ -103,6 +103,11 @@ struct Portable {
       return i < n ? float_from_bits(bfloat16_to_float32_bits(p[i])) : T(0);
     });
   }
+  // W (or the first n, zeros above) int8 values as T, exactly.
+  static V load_widen_i8(const int8_t* p) { return load_widen_i8_partial(p, W); }
+  static V load_widen_i8_partial(const int8_t* p, int n) {
+    return map([p, n](int i) { return i < n ? T(p[i]) : T(0); });
+  }
   static V add(V a, V b) {
     return map([&](int i) { return a.lane[i] + b.lane[i]; });
   }
