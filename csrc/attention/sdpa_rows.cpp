@@ -70,6 +70,8 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     if (part.empty()) continue;
     const int64_t start = part.lo, n = part.hi - part.lo;
     int64_t ldk = 0, ldv = 0;
+    LineRange lead = stored_row_lines(a.value, b, kv_head, start, std::min(n, kBlockLeadRows));
+    request_lines_to_l2(lead, lead.size());
     const T* kb = direct_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
     const T* vb = direct_values ? nullptr : values.rows(start, n, v_buf, ldv);
     // (1) the scores of every row: the kernel takes a few rows through each
@@ -119,6 +121,11 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
       acc_plain[plain++] = acc_r;
     }
     if (plain == 0) continue;
+    if (j0 + kKeyBlock < j_end) {
+      lead = stored_row_lines(a.key, b, kv_head, j0 + kKeyBlock,
+                              std::min(j_end - j0 - kKeyBlock, kBlockLeadRows));
+      request_lines_to_l2(lead, lead.size());
+    }
     if (direct_values) {
       if constexpr (std::is_same_v<T, float>) {
         if (values.q8)

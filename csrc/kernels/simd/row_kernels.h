@@ -92,7 +92,7 @@ struct RowKernels {
         V kv[4];
 #if defined(__GNUC__)
         if (ka)
-          for (int u = 0; u < 4; ++u) __builtin_prefetch(ka + u * ldk + i);
+          for (int u = 0; u < 4; ++u) __builtin_prefetch(ka + u * ldk + i, 0, 2);
 #endif
 #pragma GCC unroll 4
         for (int u = 0; u < 4; ++u) {
@@ -309,7 +309,11 @@ struct RowKernels {
   // took a load per multiply-add and a store per two, and the stores bound
   // them.) A row alone, decoding from memory, keeps to two keys at a time:
   // with four, each burst of requests ahead doubles, which costs it more
-  // time than the fewer loads save (measurements: docs/tuning.md).
+  // time than the fewer loads save. Three or four rows (grouped heads
+  // decoding) take this form at any row length that is whole vectors:
+  // each value row is then read, and widened, once for all of them, where
+  // two groups of two in registers read and widened it twice (measurements:
+  // docs/tuning.md).
   template <Stored kSrc, typename P, int R>
   static void accumulate_pv_in_l1(const T* const* p, const P* v, int64_t ldv, const float* vs,
                                   int64_t n_keys, int64_t dim, T* const* acc, int64_t ahead,
@@ -371,7 +375,7 @@ struct RowKernels {
     // the other registers), a pass over the keys per chunk of that many.
     constexpr int kVectors = R == 1 ? 8 : kPvAccumulators / R;
     constexpr int kChunk = kVectors * W;
-    if (dim > kLongestRowInRegisters && dim % W == 0) {
+    if (dim % W == 0 && (dim > kLongestRowInRegisters || R > 2)) {
       accumulate_pv_in_l1<kSrc, P, R>(p, v, ldv, vs, n_keys, dim, acc, ahead, prefetch_end);
       return;
     }
@@ -451,9 +455,10 @@ struct RowKernels {
     const int64_t ahead = prefetch_distance<P>(stream, dim);
     const int64_t vectors = (dim + W - 1) / W;
     // As many rows as hold their whole accumulators in registers together,
-    // or, for rows longer than that, kRowGroup rows with theirs in L1.
+    // or, for rows longer than that or more than two rows, kRowGroup rows
+    // with theirs in L1 (see accumulate_pv_in_l1).
     const int fit = static_cast<int>(min64(kPvAccumulators, kPvAccumulators / vectors));
-    const int group = dim > kLongestRowInRegisters && dim % W == 0
+    const int group = dim % W == 0 && (dim > kLongestRowInRegisters || rows > 2)
                           ? Vec::kRowGroup
                           : imax(1, imin(Vec::kRowGroup, fit));
     const int64_t sub = rows > group ? row_sub_block<P>(dim) : n_keys;
