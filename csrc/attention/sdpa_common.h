@@ -26,6 +26,7 @@ struct RowReader {
   const float* scales = nullptr;
   int64_t ld = 0, dim = 0;
   void (*widen)(const uint16_t*, int64_t, float*) = nullptr;
+  void (*widen_int8)(const int8_t*, int64_t, T, T*) = nullptr;
 
   // Whether the rows are read in place by the kernels that take the storage
   // itself (16-bit or int8), rather than as T.
@@ -39,13 +40,8 @@ struct RowReader {
     }
     if constexpr (std::is_same_v<T, float>) {
       if (q8) {
-        // element = scale * q, as the int8 row kernels take it.
-        for (int64_t j = 0; j < n; ++j) {
-          const int8_t* src = q8 + (j0 + j) * ld;
-          const float s = scales[j0 + j];
-          float* dst = buf + j * dim;
-          for (int64_t i = 0; i < dim; ++i) dst[i] = s * float(src[i]);
-        }
+        for (int64_t j = 0; j < n; ++j)
+          widen_int8(q8 + (j0 + j) * ld, dim, scales[j0 + j], buf + j * dim);
       } else {
         const uint16_t* src = bits + j0 * ld;
         if (ld == dim) {
@@ -71,6 +67,7 @@ RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_
     if (v.storage == Storage::kInt8) {
       r.q8 = v.q8.at(b, h);
       r.scales = v.scales.at(b, h);
+      r.widen_int8 = kt.widen_int8;
     } else {
       r.bits = v.bits.at(b, h);
       r.bits_kind = v.storage == Storage::kFloat16 ? 0 : 1;

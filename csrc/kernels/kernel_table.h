@@ -141,6 +141,8 @@ struct KernelTable {
   // and nothing past dst[n-1] is written.
   void (*widen_float16)(const uint16_t* src, int64_t n, float* dst);   // IEEE binary16
   void (*widen_bfloat16)(const uint16_t* src, int64_t n, float* dst);  // bfloat16 (top half of a float32)
+  // dst[i] = scale * src[i]: an int8 row with its scale, as the int8 row kernels read it.
+  void (*widen_int8)(const int8_t* src, int64_t n, T scale, T* dst);
   // scores and accumulate_pv with keys / values read straight from 16-bit
   // storage, widened in registers ([0] float16, [1] bfloat16; float tables only).
   void (*scores_16bit[2])(const T* const* q, int rows, const uint16_t* k, int64_t ldk,

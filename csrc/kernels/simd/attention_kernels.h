@@ -58,6 +58,7 @@ struct Kernels {
                      Gemm::fma_probe,
                      nullptr,
                      nullptr,
+                     nullptr,
                      {nullptr, nullptr},
                      {nullptr, nullptr},
                      nullptr,
@@ -67,6 +68,7 @@ struct Kernels {
     if constexpr (Vec::kWidens16) {
       t.widen_float16 = Arrays::widen_float16;
       t.widen_bfloat16 = Arrays::widen_bfloat16;
+      t.widen_int8 = Arrays::widen_int8;
       t.scores_16bit[0] = Rows::template scores_of<Stored::kFloat16, uint16_t>;
       t.scores_16bit[1] = Rows::template scores_of<Stored::kBfloat16, uint16_t>;
       t.accumulate_pv_16bit[0] = Rows::template accumulate_pv_of<Stored::kFloat16, uint16_t>;
