@@ -236,6 +236,16 @@ def test_bad_inputs():
         attnx.MultiheadAttention(8, 2, dtype=np.int8)  # a cache dtype, not a parameter dtype
 
 
+def test_out_must_not_alias_the_scales():
+    cache = KVCache(1, 1, 4, 8, dtype=i8, value_dim=1)
+    cache.append(np.ones((1, 1, 4, 8), f32), np.ones((1, 1, 4, 1), f32))
+    scales = cache.scales()
+    assert scales is not None
+    for held in (scales.key, scales.value):
+        with pytest.raises(ValueError, match="out must not share memory"):
+            attnx.cached_attention(np.ones((1, 1, 4, 8), f32), cache, out=held.reshape(1, 1, 4, 1))
+
+
 def test_core_quantize_checks_its_arrays():
     from attnx import _core
 

@@ -516,7 +516,7 @@ def cached_attention(
     if out is None:
         out = np.empty(result_shape, result_dtype)
     else:
-        check_out(out, result_shape, result_dtype, (query, key, value) + cache.storage()[:2])
+        check_out(out, result_shape, result_dtype, (query, key, value) + cache.storage()[:2] + tuple(cache.scales() or ()))
 
     if key is not None:
         cache.append(key, value, None if lengths is None else n)
