@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/kernel_table.h"
 #include "kernels/simd/kernel_helpers.h"
@@ -14,6 +15,12 @@ namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
 // copy of it may be merged with another built for a different one.
 namespace {
+
+// Whether Vec reduces four rows' four sums at once (reduce_add4x4).
+template <class Vec, class = void>
+struct HasReduce4x4 : std::false_type {};
+template <class Vec>
+struct HasReduce4x4<Vec, std::void_t<decltype(&Vec::reduce_add4x4)>> : std::true_type {};
 
 template <class Vec>
 struct RowKernels {
@@ -122,12 +129,17 @@ struct RowKernels {
           for (int u = 0; u < 4; ++u) acc[r][u] = Vec::fmadd(qi, kv[u], acc[r][u]);
         }
       }
+      if constexpr (R == 4 && HasReduce4x4<Vec>::value) {
+        T* out[4] = {dst[0] + j, dst[1] + j, dst[2] + j, dst[3] + j};
+        Vec::reduce_add4x4(acc, kSrc == Stored::kInt8 ? ks + j : nullptr, scale, out);
+      } else {
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        T sums[4];
-        Vec::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+        for (int r = 0; r < R; ++r) {
+          T sums[4];
+          Vec::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
 #pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * scaled<kSrc>(ks, j + u, sums[u]);
+          for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * scaled<kSrc>(ks, j + u, sums[u]);
+        }
       }
     }
     for (; j < n_keys; ++j) {
