@@ -146,6 +146,17 @@ struct Avx2F32 {
     _mm_store_si128(reinterpret_cast<__m128i*>(buf), bf16_halves(rounded));
     for (int i = 0; i < n; ++i) p[i] = buf[i];
   }
+  // 8 (or the first n, zeros above) int8 values as floats, exactly:
+  // vpmovsxbd then vcvtdq2ps (a partial row through a buffer: nothing past
+  // p[n-1] is read).
+  static V load_widen_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_widen_i8_partial(const int8_t* p, int n) {
+    alignas(16) int8_t buf[16] = {};
+    for (int i = 0; i < n; ++i) buf[i] = p[i];
+    return load_widen_i8(buf);
+  }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }

@@ -150,6 +150,11 @@ struct Portable {
   static void store_bf16_partial(uint16_t* p, V rounded, int n) {
     for (int i = 0; i < n; ++i) p[i] = static_cast<uint16_t>(bits_of(rounded.lane[i]) >> 16);
   }
+  // W (or the first n, zeros above) int8 values as T, exactly.
+  static V load_widen_i8(const int8_t* p) { return load_widen_i8_partial(p, W); }
+  static V load_widen_i8_partial(const int8_t* p, int n) {
+    return map([p, n](int i) { return i < n ? T(p[i]) : T(0); });
+  }
   static V add(V a, V b) {
     return map([&](int i) { return a.lane[i] + b.lane[i]; });
   }
