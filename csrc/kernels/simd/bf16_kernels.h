@@ -83,7 +83,12 @@ struct Bf16Kernels {
 
   static void round(const float* src, int64_t n, uint16_t* dst) {
     int64_t i = 0;
-    for (; i + W <= n; i += W) Vec::store_bf16(dst + i, round_vector(Vec::load(src + i)));
+    for (; i + W <= n; i += W) {
+      if constexpr (kNative)
+        Vec::round_store_bf16_native(dst + i, Vec::load(src + i));
+      else
+        Vec::store_bf16(dst + i, Vec::round_bf16(Vec::load(src + i)));
+    }
     const int tail = static_cast<int>(n - i);
     if (tail) Vec::store_bf16_partial(dst + i, round_vector(Vec::load_partial(src + i, tail)), tail);
   }

@@ -135,6 +135,10 @@ struct Avx512F32 {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  // round_bf16_native and store_bf16 in one: the 16-bit values as they come.
+  static void round_store_bf16_native(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+  }
 #endif
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
