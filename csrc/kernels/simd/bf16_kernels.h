@@ -62,15 +62,18 @@ struct Bf16Kernels {
   using Gemm = GemmKernels<Vec>;
   using Step = PairStep<Vec, kNative>;
   static constexpr int W = Vec::W;
-  // The float gemm's register tile (Vec::kGemmRows x kPanelVectors).
-  static constexpr int kRows = Vec::kGemmRows;
+  // The register tile: Vec::kPairGemmRows x kPanelVectors, the float gemm's
+  // but where the emulation's halves of A and B need registers of their own
+  // (AVX2), with its column-major tile for P.V. A tile's shape changes the
+  // order of no sum: every shape gives the same bits.
+  static constexpr int kRows = Vec::kPairGemmRows;
   static constexpr int kVectors = kPanelVectors;
 
   static void gemm(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t a_row,
                    int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                    GemmInit init, const float* init_values) {
-    Gemm::template gemm_panels<kRows, kVectors, Step>(M, N, K2, a, a_row, a_col, b, ldb, c, ldc,
-                                                      init, init_values);
+    Gemm::template gemm_panels<kRows, kVectors, Step, Vec::kColumnMajorTile>(
+        M, N, K2, a, a_row, a_col, b, ldb, c, ldc, init, init_values);
   }
 
   // x rounded to bfloat16 (bf16_bits.h), as float32 values.

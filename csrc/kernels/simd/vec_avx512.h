@@ -23,6 +23,7 @@ struct Avx512F32 {
   using V = __m512;
   static constexpr int W = 16;
   static constexpr int kGemmRows = 12;  // 12 x 2 accumulators of 32 registers
+  static constexpr int kPairGemmRows = 12;  // the bfloat16 gemm's (bf16_kernels.h)
   // Rows of the one-vector tile: 16 accumulators, so that a block of 16 rows
   // (a head dim or 16 keys, in small calls) is one tile rather than 8 + 8.
   static constexpr int kOneVectorRows = 16;

@@ -56,6 +56,7 @@ struct Portable {
   using T = Scalar;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 4;
+  static constexpr int kPairGemmRows = 4;  // the bfloat16 gemm's (bf16_kernels.h)
   static constexpr int kOneVectorRows = 4;
   // No column-major A tile (see ALayout): a portable tile is large code.
   static constexpr bool kColumnMajorTile = false;
