@@ -19,7 +19,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "kernels/bf16_table.h"
 #include "kernels/simd/bf16_bits.h"
@@ -93,7 +92,8 @@ struct Bf16Kernels {
         Vec::store_bf16(dst + i, Vec::round_bf16(Vec::load(src + i)));
     }
     const int tail = static_cast<int>(n - i);
-    if (tail) Vec::store_bf16_partial(dst + i, round_vector(Vec::load_partial(src + i, tail)), tail);
+    if (tail)
+      Vec::store_bf16_partial(dst + i, round_vector(Vec::load_partial(src + i, tail)), tail);
   }
 
   static void round_in_place(float* x, int64_t n) { map_rows<Vec>(x, 1, n, n, round_vector); }
@@ -101,10 +101,7 @@ struct Bf16Kernels {
   // One pair from the values at lo and hi (null: none, 0), scaled and rounded.
   static uint32_t pair_of(const float* lo, const float* hi, float scale) {
     const auto rounded = [scale](const float* p) {
-      float x = *p * scale;
-      uint32_t bits;
-      std::memcpy(&bits, &x, sizeof bits);
-      return round_bf16_bits(bits);
+      return round_bf16_bits(bits_of_float(*p * scale));
     };
     return rounded(lo) >> 16 | (hi != nullptr ? rounded(hi) : 0u);
   }
