@@ -51,6 +51,10 @@ struct Avx2F32 {
   using V = __m256;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 6;  // 6 x 2 accumulators of 16 registers
+  // Rows of the emulated bfloat16 gemm's tile (bf16_kernels.h): 4 x 2
+  // accumulators, B's two vectors and their four halves, and A's two halves
+  // fill the 16 registers; 6 rows spill (measurements: docs/tuning.md).
+  static constexpr int kPairGemmRows = 4;
   static constexpr int kOneVectorRows = 6;  // rows of the one-vector tile
   static constexpr bool kColumnMajorTile = true;  // gemm tile for a_row == 1 (ALayout)
   // The wide tile too: 3 x 4 accumulators leave too few of the 16 registers

@@ -23,6 +23,7 @@ struct Avx512F32 {
   using V = __m512;
   static constexpr int W = 16;
   static constexpr int kGemmRows = 12;  // 12 x 2 accumulators of 32 registers
+  static constexpr int kPairGemmRows = 12;  // the bfloat16 gemm's (bf16_kernels.h)
   // Rows of the one-vector tile: 16 accumulators, so that a block of 16 rows
   // (a head dim or 16 keys, in small calls) is one tile rather than 8 + 8.
   static constexpr int kOneVectorRows = 16;
@@ -142,6 +143,10 @@ struct Avx512F32 {
   static V round_bf16_native(V x) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  // round_bf16_native and store_bf16 in one: the 16-bit values as they come.
+  static void round_store_bf16_native(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
   }
 #endif
   static V add(V a, V b) { return _mm512_add_ps(a, b); }

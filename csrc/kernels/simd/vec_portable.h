@@ -56,6 +56,7 @@ struct Portable {
   using T = Scalar;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 4;
+  static constexpr int kPairGemmRows = 4;  // the bfloat16 gemm's (bf16_kernels.h)
   static constexpr int kOneVectorRows = 4;
   // No column-major A tile (see ALayout): a portable tile is large code.
   static constexpr bool kColumnMajorTile = false;
@@ -106,11 +107,7 @@ struct Portable {
   }
   // Pairs of bfloat16, as Avx512F32's (float vectors only): the lanes carry
   // the bits, copied whole.
-  static uint32_t bits_of(T x) {
-    uint32_t b;
-    std::memcpy(&b, &x, sizeof b);
-    return b;
-  }
+  static uint32_t bits_of(T x) { return bits_of_float(x); }
   template <typename F>
   static V map_bits(F f) {
     return map([&](int i) { return float_from_bits(f(i)); });
