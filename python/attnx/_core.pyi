@@ -18,6 +18,7 @@ class SdpaOptions:
         enable_gqa: bool = False,
         softcap: float = 0.0,
         scores: int = -1,
+        precision: int = 0,
     ) -> None: ...
     causal: bool
     bottom_right: bool
@@ -27,6 +28,7 @@ class SdpaOptions:
     enable_gqa: bool
     softcap: float
     scores: int
+    precision: int
 
 def sdpa(
     query: object,
@@ -53,12 +55,14 @@ class MhaOptions:
         need_weights: bool,
         average_weights: bool,
         batch_first: bool,
+        precision: int = 0,
     ) -> None: ...
     causal: bool
     bottom_right: bool
     need_weights: bool
     average_weights: bool
     batch_first: bool
+    precision: int
 
 class MhaWeights:
     def __init__(
@@ -100,6 +104,7 @@ def linear(
     w: npt.NDArray[np.floating[Any]],
     b: npt.NDArray[np.floating[Any]] | None,
     out: npt.NDArray[np.floating[Any]],
+    precision: int = 0,
 ) -> None: ...
 class TransformerLayerWeights:
     def __init__(
@@ -130,6 +135,7 @@ def transformer_layer(
     final_norm: tuple[Any, Any, float] | None,
     cache: object,
     memory_kv: tuple[Any, Any] | None,
+    precision: int = 0,
 ) -> npt.NDArray[np.floating[Any]]: ...
 def active_isa() -> str: ...
 def cpu_isa() -> str: ...
