@@ -77,6 +77,35 @@ if BF16 is not None:  # bfloat16 keeps 8 bits: half an ulp is 2^-9
     TOL[BF16] = dict(rtol=4e-3, atol=1e-5)
 
 
+# precision= of a call: mostly the default, often bfloat16; sometimes a name attnx does not know.
+PRECISIONS = [None, None, None, "float32", "bfloat16", "bfloat16"]
+BAD_PRECISIONS = ["bf16", "float16", "BFLOAT16", 16, True, np.float32]
+# The bound of a bfloat16-precision result against the reference of the same rounding, per unit
+# of the values' magnitude (tests/test_precision.py measures the tight bounds).
+BF16_TOL = 1.5e-2
+
+
+def draw_precision(p: Provider, compute):
+    """``(precision, invalid)`` for a call computing in `compute`: bfloat16 with float64, or
+    an unknown name, is invalid (ValueError)."""
+    if p.bool(0.04):
+        return p.choice(BAD_PRECISIONS), True
+    precision = p.choice(PRECISIONS)
+    return precision, precision == "bfloat16" and np.dtype(compute) == F64
+
+
+def bf16_tolerance(arrays) -> dict:
+    """assert_allclose's tolerance of a bfloat16-precision result: BF16_TOL relative, and
+    absolute per unit of the largest finite value of `arrays` (the values, the weights)."""
+    scale = 1.0
+    for a in arrays:
+        if is_float(a) and a.size:
+            with np.errstate(all="ignore"):
+                finite = np.abs(a.astype(np.float64)[np.isfinite(a.astype(np.float64))])
+            scale = max(scale, float(finite.max(initial=0.0)))
+    return dict(rtol=BF16_TOL, atol=BF16_TOL * scale)
+
+
 def is_float(a) -> bool:
     """Whether `a` is an array of real floats: NumPy's, or ml_dtypes' bfloat16."""
     return isinstance(a, np.ndarray) and (a.dtype.kind == "f" or (BF16 is not None and a.dtype == BF16))
@@ -469,8 +498,8 @@ def compare(got, expected, dtype, what, inputs, moderate=True, tolerance=None):
     expected = np.asarray(expected, dtype=np.float64)
     if well_scaled(arrays) and moderate:
         OUTCOMES["result checked"] += 1
-        np.testing.assert_allclose(got.astype(np.float64), expected, equal_nan=True, err_msg=what,
-                                   **TOL[dtype if tolerance is None else tolerance])
+        tol = tolerance if isinstance(tolerance, dict) else TOL[dtype if tolerance is None else tolerance]
+        np.testing.assert_allclose(got.astype(np.float64), expected, equal_nan=True, err_msg=what, **tol)
     elif nan_inf_only(arrays):
         # NaN/Inf in the inputs: they must reach exactly the outputs the reference has them in.
         # Non-finite exactly where the reference is; NaN wherever it has NaN. Where it has
@@ -610,6 +639,7 @@ def fuzz_sdpa(p: Provider):
         args["window"] = (p.choice([None, 0, 1, 5, 200]), p.choice([None, 0, 2, 40]))
     if p.bool(0.3):
         args["scale"] = p.choice([0.0, 0.1, -0.5, 2.0, np.float32(0.25)])
+    args["precision"], invalid = draw_precision(p, dtype)
     for name in ("query", "key", "value", "attn_mask"):
         if args[name] is not None and p.bool(0.2):
             args[name] = relayout(p, args[name])
@@ -646,6 +676,7 @@ def fuzz_sdpa(p: Provider):
     n_mut += len(garbage)
     if bias is not None:
         OUTCOMES[f"sdpa: CausalBias {'read' if ok else 'refused'}"] += 1
+    n_mut += invalid
     if not ok:
         if n_mut == 0:
             raise Disallowed("sdpa: a valid call raised")
@@ -658,8 +689,11 @@ def fuzz_sdpa(p: Provider):
     ref_kwargs = {k: plain(v) for k, v in kwargs.items() if k != "out"}
     if bias is not None:  # the causal mode it stands for (read only where is_causal is False)
         ref_kwargs["attn_mask"], ref_kwargs["is_causal"] = None, bias.causal_mode()
+    # bfloat16 precision: the reference of the same rounding, on the values attnx computes with.
+    bf16 = ref_kwargs.get("precision") == "bfloat16"
+    convert = (lambda x: x) if bf16 else as_f64
     expected = reference_of(lambda: reference.scaled_dot_product_attention(
-        *(as_f64(plain(x)) for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
+        *(convert(plain(x)) for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
     if expected is None:
         raise Disallowed("sdpa: attnx computed a result for a call the reference rejects")
     scale = args["scale"]
@@ -667,7 +701,8 @@ def fuzz_sdpa(p: Provider):
     q = np.asarray(plain(args["query"]))
     eff_scale = 1 / math.sqrt(q.shape[-1]) if args["scale"] is None and q.shape[-1] else (scale_arr or [1.0])[0]
     moderate = logits_moderate(q, np.asarray(plain(args["key"])), eff_scale) if q.ndim >= 2 else True
-    compare(got, expected, q.dtype.newbyteorder("="), "sdpa", inputs + scale_arr, moderate)
+    tolerance = bf16_tolerance([np.asarray(plain(args["value"]))]) if bf16 else None
+    compare(got, expected, q.dtype.newbyteorder("="), "sdpa", inputs + scale_arr, moderate, tolerance)
 
 
 def mha_valid(p: Provider):
@@ -728,6 +763,7 @@ SCALAR_JUNK = [None, 0, 1, -1, 2, 3, 4, 2**40, 1.5, float("nan"), "2", True, Fal
 
 def fuzz_mha(p: Provider):
     a = mha_valid(p)
+    a["precision"], invalid = draw_precision(p, a["query"].dtype)
     for name in MHA_ARRAYS:
         if isinstance(a[name], np.ndarray) and p.bool(0.15):
             a[name] = relayout(p, a[name])
@@ -751,8 +787,8 @@ def fuzz_mha(p: Provider):
         separate = None
     unused = {True: ("in_proj_weight",), False: ("q_proj_weight", "k_proj_weight", "v_proj_weight")}.get(separate, ())
     garbage = [name for name in garbage if name not in unused]
-    check_garbage_refused(ok, garbage, n_mut, "mha")
-    n_mut += len(garbage)
+    check_garbage_refused(ok, garbage, n_mut + invalid, "mha")
+    n_mut += len(garbage) + invalid
     if not ok:
         if n_mut == 0:
             raise Disallowed("mha: a valid call raised")
@@ -762,13 +798,15 @@ def fuzz_mha(p: Provider):
         for x in inputs:
             if r is not None and isinstance(x, np.ndarray) and np.shares_memory(r, x):
                 raise Disallowed("mha: a result shares memory with an input")
-    conv = {k: as_f64(plain(v)) for k, v in a.items()}
+    bf16 = a["precision"] == "bfloat16"
+    conv = {k: plain(v) if bf16 else as_f64(plain(v)) for k, v in a.items()}
     expected = reference_of(lambda: reference.multi_head_attention_forward(**conv))
     if expected is None:
         raise Disallowed("mha: attnx computed a result for a call the reference rejects")
     dtype = np.asarray(plain(a["query"])).dtype.newbyteorder("=")
-    compare(out, expected[0], dtype, "mha output", inputs)
-    compare(weights, expected[1], dtype, "mha weights", inputs)
+    tolerance = bf16_tolerance(input_arrays(inputs)) if bf16 else None
+    compare(out, expected[0], dtype, "mha output", inputs, tolerance=tolerance)
+    compare(weights, expected[1], dtype, "mha weights", inputs, tolerance=bf16_tolerance([]) if bf16 else None)
 
 
 def fuzz_module(p: Provider):
@@ -837,8 +875,15 @@ def fuzz_module(p: Provider):
     for name in ("need_weights", "average_attn_weights", "is_causal"):
         if p.bool(0.3):
             opts[name] = p.choice([True, False])
+    # The module's precision (constructor or attribute) or the call's.
+    precision, invalid = draw_precision(p, dtype)
+    if p.bool() or invalid:
+        opts["precision"] = precision
+    elif precision is not None:
+        m.precision = precision
+    precision = opts.get("precision") or m.precision
     args = {"query": q, "key": k, "value": v}
-    n_mut = p.choice([0, 0, 1, 2])
+    n_mut = p.choice([0, 0, 1, 2]) + invalid
     for _ in range(n_mut):
         name = p.choice(["query", "key", "value", "key_padding_mask", "attn_mask", "need_weights"])
         if name == "need_weights":
@@ -873,6 +918,10 @@ def fuzz_module(p: Provider):
     cast = lambda x: np.asarray(x).astype(np.float64) if np.asarray(x).dtype.kind == "f" else x  # noqa: E731
     args = {k: plain(v) for k, v in args.items()}
     opts = {k: plain(v) for k, v in opts.items()}
+    bf16 = precision == "bfloat16"
+    if bf16:  # the reference of the same rounding, on the values attnx computes with (float32)
+        cast = lambda x: np.asarray(x).astype(F32) if is_float(np.asarray(x)) else x  # noqa: E731
+    opts["precision"] = precision
     expected = reference_of(lambda: reference.multi_head_attention_forward(
         cast(np.asarray(args["query"]).astype(dtype)), cast(np.asarray(args["key"]).astype(dtype)),
         cast(np.asarray(args["value"]).astype(dtype)), m.embed_dim, m.num_heads,
@@ -888,8 +937,10 @@ def fuzz_module(p: Provider):
     # Projections over thousands of input features sum that many float32 products: their
     # rounding alone exceeds the tolerance, so such results are not compared.
     moderate = max(m.embed_dim, m.kdim, m.vdim) <= 4096
-    compare(out, expected[0], dtype, "module output", inputs + list(params.values()), moderate)
-    compare(weights, expected[1], dtype, "module weights", inputs + list(params.values()), moderate)
+    tolerance = bf16_tolerance(input_arrays(inputs) + list(params.values())) if bf16 else None
+    compare(out, expected[0], dtype, "module output", inputs + list(params.values()), moderate, tolerance)
+    compare(weights, expected[1], dtype, "module weights", inputs + list(params.values()), moderate,
+            bf16_tolerance([]) if bf16 else None)
 
 
 def fuzz_set_num_threads(p: Provider):
@@ -1206,6 +1257,7 @@ def fuzz_cache(p: Provider):
             args["window"] = (p.choice([None, 0, 1, 30]), p.choice([None, 0, 3]))
         args["scale"] = p.choice([0.0, 0.3, -1.0, 2.0]) if p.bool(0.25) else None
         args["out"] = np.full((B, Hk * group, T, Dv), np.nan, q_dtype) if p.bool(0.25) else None
+        precision, invalid = draw_precision(p, dtype)
         n_mut = p.choice([0, 0, 0, 1, 2])
         mutate(p, args, ["query", "key", "value", "lengths", "window", "scale", "out"], n_mut)
         before, held_before = cache.lengths.copy(), held(cache)
@@ -1213,7 +1265,7 @@ def fuzz_cache(p: Provider):
         snap = snapshot(inputs)
         ok, got = call("cached_attention", lambda: attnx.cached_attention(
             args["query"], cache, args["key"], args["value"], lengths=args["lengths"], scale=args["scale"],
-            window=args["window"], out=args["out"]))
+            window=args["window"], precision=precision, out=args["out"]))
         check_untouched(snap, "cached_attention", allowed=[args["out"]])
         if not still_held(cache, held_before):
             raise Disallowed("cached_attention: a cached token's key or value changed")
@@ -1221,13 +1273,17 @@ def fuzz_cache(p: Provider):
             if not np.array_equal(cache.lengths, before):
                 raise Disallowed("cached_attention: raised after appending to the cache")
             continue
+        if invalid:
+            raise Disallowed(f"cached_attention: computed with precision={precision!r} and a {cache.dtype} cache")
         if args["out"] is not None and got is not args["out"]:
             raise Disallowed("cached_attention: out= given but another array returned")
         q = np.asarray(args["query"])
         n = (np.full(B, q.shape[2]) if args["lengths"] is None else np.asarray(args["lengths"])).astype(np.int64)
+        bf16 = precision == "bfloat16"
+        as_computed = (lambda x: np.asarray(x, F32)) if bf16 else (lambda x: np.asarray(x, np.float64))
         expected = reference_of(lambda: reference.cached_attention(
-            np.asarray(q, np.float64), np.asarray(cache.key, np.float64), np.asarray(cache.value, np.float64),
-            cache.lengths, query_lengths=n, scale=args["scale"], window=args["window"]))
+            as_computed(q), as_computed(cache.key), as_computed(cache.value),
+            cache.lengths, query_lengths=n, scale=args["scale"], window=args["window"], precision=precision))
         if expected is None:
             raise Disallowed("cached_attention: attnx computed a result for a call the reference rejects")
         scale = 1 / math.sqrt(D) if args["scale"] is None else args["scale"]
@@ -1239,6 +1295,10 @@ def fuzz_cache(p: Provider):
         # has the query's, so the looser of the two sets the tolerance.
         compute = np.dtype(F64 if cache.dtype == F64 else F32)
         tolerance = got.dtype if got.dtype.itemsize <= compute.itemsize else compute
+        if bf16:
+            tolerance = bf16_tolerance([cache.value])
+            if got.dtype.itemsize == 2:  # and the result's own rounding
+                tolerance["rtol"] += TOL[got.dtype]["rtol"]
         compare(got, expected, np.dtype(got.dtype), "cached_attention", [q, cache.key, cache.value],
                 moderate, tolerance)
 
