@@ -4,20 +4,34 @@
 #include <string>
 
 #include "attnx/runtime.h"
+#include "kernels/bf16_table.h"
 
 namespace py = pybind11;
 
 namespace attnx::bindings {
 
 void register_runtime(py::module_& m) {
-  m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
-  m.def("cpu_isa", [] { return std::string(isa_name(detect_cpu_isa())); });
+  // The float kernels' instruction sets: "avx512" at the avx512_bf16 level,
+  // whose float kernels those are (the bfloat16 products: precision_kernels).
+  m.def("active_isa", [] { return std::string(isa_name(float_kernels_isa(active_isa()))); });
+  m.def("cpu_isa", [] { return std::string(isa_name(float_kernels_isa(detect_cpu_isa()))); });
   m.def("compiled_isas", [] {
     py::list names;
-    for (int isa = 0; isa <= static_cast<int>(best_compiled_isa()); ++isa)
+    for (int isa = 0; isa <= static_cast<int>(float_kernels_isa(best_compiled_isa())); ++isa)
       names.append(isa_name(static_cast<Isa>(isa)));
     return names;
-  }, "The kernels this build has, lowest first.");
+  }, "The float kernels this build has, lowest first.");
+  m.def("precision_kernels", [] {
+    const std::string floats = isa_name(float_kernels_isa(active_isa()));
+    const Bf16KernelTable& bf16 = active_bf16_kernels();
+    py::dict kernels;
+    kernels["float32"] = floats;
+    kernels["float64"] = floats;
+    kernels["bfloat16"] =
+        bf16.native ? std::string("avx512_bf16") : std::string(isa_name(bf16.isa)) + " (emulated)";
+    return kernels;
+  }, "The kernels of each precision's products: the float kernels' instruction set, and for "
+     "bfloat16 'avx512_bf16' (vdpbf16ps) or '<isa> (emulated)'.");
   m.def("get_num_threads", &get_num_threads);
   m.def(
       "set_num_threads",

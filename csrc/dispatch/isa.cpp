@@ -9,6 +9,7 @@
 #include <string>
 
 #include "attnx/runtime.h"
+#include "kernels/bf16_table.h"
 #include "kernels/kernel_table.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -20,8 +21,11 @@ namespace attnx {
 namespace {
 
 // The highest instruction set with kernels compiled into this build: the
-// x86 kernels are built wherever the compiler targets x86-64.
-#if defined(ATTNX_HAVE_X86_KERNELS)
+// x86 kernels are built wherever the compiler targets x86-64, those of
+// AVX512_BF16 where it has the flag too.
+#if defined(ATTNX_HAVE_AVX512BF16_KERNELS)
+constexpr Isa kBestCompiledIsa = Isa::kAvx512Bf16;
+#elif defined(ATTNX_HAVE_X86_KERNELS)
 constexpr Isa kBestCompiledIsa = Isa::kAvx512;
 #else
 constexpr Isa kBestCompiledIsa = Isa::kScalar;
@@ -31,8 +35,9 @@ Isa parse_isa(const std::string& name) {
   if (name == "scalar") return Isa::kScalar;
   if (name == "avx2") return Isa::kAvx2;
   if (name == "avx512") return Isa::kAvx512;
+  if (name == "avx512_bf16") return Isa::kAvx512Bf16;
   throw std::invalid_argument("ATTNX_ISA='" + name +
-                              "' is not a known kernel; use scalar, avx2 or avx512");
+                              "' is not a known kernel; use scalar, avx2, avx512 or avx512_bf16");
 }
 
 // ATTNX_ISA without surrounding white space, in lower case ("" where unset):
@@ -53,11 +58,14 @@ std::string requested_isa() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Bf16: return "avx512_bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "scalar";
   }
 }
+
+Isa float_kernels_isa(Isa level) { return level == Isa::kAvx512Bf16 ? Isa::kAvx512 : level; }
 
 #if defined(ATTNX_X86_CPUID)
 namespace {
@@ -68,6 +76,12 @@ namespace {
 bool cpu_has_f16c() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+}
+// AVX512_BF16 (vdpbf16ps, vcvtne[2]ps2bf16): CPUID leaf 7, subleaf 1, EAX
+// bit 5; its registers are AVX-512's, checked with the AVX-512 level.
+bool cpu_has_avx512_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5)) != 0;
 }
 }  // namespace
 #endif
@@ -83,7 +97,7 @@ Isa detect_cpu_isa() {
   if (!avx2) return Isa::kScalar;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return Isa::kAvx512;
+    return cpu_has_avx512_bf16() ? Isa::kAvx512Bf16 : Isa::kAvx512;
   return Isa::kAvx2;
 #else
   return Isa::kScalar;
@@ -127,7 +141,7 @@ Isa active_isa() {
 }
 
 const KernelTable<float>& active_kernels(float) {
-  switch (active_isa()) {
+  switch (float_kernels_isa(active_isa())) {
 #if defined(ATTNX_HAVE_X86_KERNELS)
     case Isa::kAvx512: return avx512_kernels_f32();
     case Isa::kAvx2: return avx2_kernels_f32();
@@ -137,7 +151,7 @@ const KernelTable<float>& active_kernels(float) {
 }
 
 const KernelTable<double>& active_kernels(double) {
-  switch (active_isa()) {
+  switch (float_kernels_isa(active_isa())) {
 #if defined(ATTNX_HAVE_X86_KERNELS)
     case Isa::kAvx512: return avx512_kernels_f64();
     case Isa::kAvx2: return avx2_kernels_f64();
@@ -145,5 +159,23 @@ const KernelTable<double>& active_kernels(double) {
     default: return scalar_kernels_f64();
   }
 }
+
+const Bf16KernelTable* bf16_kernels_of(Isa level) {
+  switch (level) {
+#if defined(ATTNX_HAVE_AVX512BF16_KERNELS)
+    case Isa::kAvx512Bf16: return &avx512_native_bf16_kernels();
+#endif
+#if defined(ATTNX_HAVE_X86_KERNELS)
+    case Isa::kAvx512: return &avx512_bf16_kernels();
+    case Isa::kAvx2: return &avx2_bf16_kernels();
+#endif
+    case Isa::kScalar: return &scalar_bf16_kernels();
+    default: return nullptr;
+  }
+}
+
+// The active level always has its table: choose_isa picks none above the
+// build's best.
+const Bf16KernelTable& active_bf16_kernels() { return *bf16_kernels_of(active_isa()); }
 
 }  // namespace attnx

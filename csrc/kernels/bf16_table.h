@@ -51,11 +51,17 @@ struct Bf16KernelTable {
 const Bf16KernelTable& scalar_bf16_kernels();
 #if defined(ATTNX_HAVE_X86_KERNELS)
 const Bf16KernelTable& avx2_bf16_kernels();
-const Bf16KernelTable& avx512_bf16_kernels();         // emulated on AVX-512F
+const Bf16KernelTable& avx512_bf16_kernels();  // emulated on AVX-512F
+#endif
+#if defined(ATTNX_HAVE_AVX512BF16_KERNELS)    // a compiler with -mavx512bf16
 const Bf16KernelTable& avx512_native_bf16_kernels();  // vdpbf16ps
 #endif
 
 // The table chosen by the dispatcher for precision "bfloat16".
 const Bf16KernelTable& active_bf16_kernels();
+// The table of a level (kAvx512Bf16: the native one; below, that instruction
+// set's emulation), or null where this build has none. Whether the CPU runs
+// it is the caller's to check (detect_cpu_isa).
+const Bf16KernelTable* bf16_kernels_of(Isa level);
 
 }  // namespace attnx

@@ -140,6 +140,7 @@ def transformer_layer(
 def active_isa() -> str: ...
 def cpu_isa() -> str: ...
 def compiled_isas() -> list[str]: ...
+def precision_kernels() -> dict[str, str]: ...
 def get_num_threads() -> int: ...
 def set_num_threads(n: int) -> None: ...
 def have_openmp() -> bool: ...
@@ -178,6 +179,34 @@ class _TestingModule:
     def narrow_16bit(
         src: npt.NDArray[np.floating[Any]], format: str
     ) -> npt.NDArray[np.uint16]: ...
+    @staticmethod
+    def bf16_gemm(
+        a: npt.NDArray[np.uint32],
+        b: npt.NDArray[np.uint32],
+        c: npt.NDArray[np.float32],
+        init: str,
+        init_values: npt.NDArray[np.float32] | None = None,
+        table: str | None = None,
+        repeat: int = 1,
+    ) -> None: ...
+    @staticmethod
+    def gemm_f32(
+        a: npt.NDArray[np.float32],
+        b: npt.NDArray[np.float32],
+        c: npt.NDArray[np.float32],
+        init: str,
+        init_values: npt.NDArray[np.float32] | None = None,
+        wide: bool = False,
+        repeat: int = 1,
+    ) -> None: ...
+    @staticmethod
+    def bf16_round(
+        x: npt.NDArray[np.float32], table: str | None = None
+    ) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.float32]]: ...
+    @staticmethod
+    def bf16_pack_pairs(
+        x: npt.NDArray[np.float32], scale: float = 1.0, table: str | None = None
+    ) -> npt.NDArray[np.uint32]: ...
     @staticmethod
     def widen_16bit(
         src: npt.NDArray[np.uint16], format: str

@@ -62,6 +62,7 @@ class Config(TypedDict):
     isa: str
     cpu_isa: str
     kernels: list[str]
+    precisions: dict[str, str]
     threads: int
     openmp: bool
     compiler: str
@@ -76,14 +77,18 @@ def show_config() -> Config:
         ``version``, ``isa`` (the SIMD kernel in use), ``cpu_isa`` (the best
         the CPU supports), ``kernels`` (the kernels this build has, lowest
         first: ``["scalar", "avx2", "avx512"]`` on x86-64, ``["scalar"]``
-        elsewhere), ``threads``, ``openmp`` (bool) and ``compiler``.
+        elsewhere), ``precisions`` (the kernels of each ``precision=``'s
+        products: ``{"float32": isa, "float64": isa, "bfloat16": b}``, ``b``
+        ``"avx512_bf16"`` where they run on AVX512_BF16's instructions, else
+        ``isa + " (emulated)"``), ``threads``, ``openmp`` (bool) and
+        ``compiler``.
 
     Examples
     --------
     >>> import attnx
     >>> config = attnx.show_config()
     >>> sorted(config)
-    ['compiler', 'cpu_isa', 'isa', 'kernels', 'openmp', 'threads', 'version']
+    ['compiler', 'cpu_isa', 'isa', 'kernels', 'openmp', 'precisions', 'threads', 'version']
     >>> config["version"] == attnx.__version__, config["kernels"][0], config["isa"] in config["kernels"]
     (True, 'scalar', True)
     """
@@ -92,6 +97,7 @@ def show_config() -> Config:
         "isa": _core.active_isa(),
         "cpu_isa": _core.cpu_isa(),
         "kernels": _core.compiled_isas(),
+        "precisions": _core.precision_kernels(),
         "threads": _core.get_num_threads(),
         "openmp": _core.have_openmp(),
         "compiler": _core.compiler(),

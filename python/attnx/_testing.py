@@ -8,6 +8,10 @@ The extension keeps them apart from its other functions, in its submodule
 from ._core import _testing as _hooks
 
 activate = _hooks.activate
+bf16_gemm = _hooks.bf16_gemm
+bf16_pack_pairs = _hooks.bf16_pack_pairs
+bf16_round = _hooks.bf16_round
+gemm_f32 = _hooks.gemm_f32
 trace_balanced_loop = _hooks.trace_balanced_loop
 widen_16bit = _hooks.widen_16bit
 narrow_16bit = _hooks.narrow_16bit
@@ -21,6 +25,10 @@ planner_constants = _hooks.planner_constants
 
 __all__ = [
     "activate",
+    "bf16_gemm",
+    "bf16_pack_pairs",
+    "bf16_round",
+    "gemm_f32",
     "fail_next_step",
     "run_mha",
     "kernel_facts",

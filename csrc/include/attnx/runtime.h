@@ -5,10 +5,16 @@
 
 namespace attnx {
 
-// The instruction sets a kernel can be built for, lowest first.
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// The instruction sets a kernel can be built for, lowest first. kAvx512Bf16
+// is AVX-512 with AVX512_BF16: the AVX-512 float kernels, and the bfloat16
+// products on vdpbf16ps (at every lower level they are emulated).
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 const char* isa_name(Isa isa);
+
+// The instruction set of the float32 and float64 kernels at a level: the
+// level itself, but kAvx512 at kAvx512Bf16.
+Isa float_kernels_isa(Isa level);
 
 // The best instruction set this CPU (and OS) supports.
 Isa detect_cpu_isa();

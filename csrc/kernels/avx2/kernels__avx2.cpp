@@ -1,6 +1,7 @@
 // AVX2 + FMA + F16C kernels. This file alone is compiled with -mavx2 -mfma
 // -mf16c; it runs only where the dispatcher found all three in CPUID.
 #include "kernels/simd/attention_kernels.h"
+#include "kernels/simd/bf16_kernels.h"
 #include "kernels/simd/vec_avx2.h"
 
 namespace attnx {
@@ -14,6 +15,13 @@ const KernelTable<float>& avx2_kernels_f32() {
 const KernelTable<double>& avx2_kernels_f64() {
   static const KernelTable<double> table =
       simd::Kernels<simd::Avx2F64>::table("f64_attention__avx2_fma_mr6_nr8", Isa::kAvx2);
+  return table;
+}
+
+// The bfloat16 products, emulated (see simd/bf16_kernels.h).
+const Bf16KernelTable& avx2_bf16_kernels() {
+  static const Bf16KernelTable table =
+      simd::Bf16Kernels<simd::Avx2F32, false>::table("bf16_products__avx2_fma_emulated_mr6_nr16", Isa::kAvx2);
   return table;
 }
 

@@ -1,6 +1,7 @@
 // Portable kernels: the same templates over plain 8-value "vectors", built
 // for the baseline instruction set of any CPU (and any architecture).
 #include "kernels/simd/attention_kernels.h"
+#include "kernels/simd/bf16_kernels.h"
 #include "kernels/simd/vec_portable.h"
 
 namespace attnx {
@@ -14,6 +15,13 @@ const KernelTable<float>& scalar_kernels_f32() {
 const KernelTable<double>& scalar_kernels_f64() {
   static const KernelTable<double> table = simd::Kernels<simd::Portable<double>>::table(
       "f64_attention__scalar_mr4_nr16", Isa::kScalar);
+  return table;
+}
+
+// The bfloat16 products, emulated (see simd/bf16_kernels.h).
+const Bf16KernelTable& scalar_bf16_kernels() {
+  static const Bf16KernelTable table =
+      simd::Bf16Kernels<simd::Portable<float>, false>::table("bf16_products__scalar_emulated_mr4_nr16", Isa::kScalar);
   return table;
 }
 

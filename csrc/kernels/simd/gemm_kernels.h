@@ -37,6 +37,23 @@ enum class ALayout {
   kColumnMajor  // a_row == 1
 };
 
+// One step of the tile's k loop, the rank-1 update of a row of C by a
+// broadcast element of A and a row of B. The float gemm's: A and B hold T,
+// and a step is a multiply-add. (The bfloat16 products, bf16_kernels.h, step
+// over pairs of bfloat16 with the same tiles.)
+template <class Vec>
+struct FmaStep {
+  using T = typename Vec::T;
+  using V = typename Vec::V;
+  using A = T;  // an element of A
+  using B = T;  // an element of a row of B: one lane of a vector
+  static constexpr int64_t kRun = kSumRun;  // steps per run (see kSumRun)
+  static V load(const B* p) { return Vec::load(p); }
+  static V load_partial(const B* p, int n) { return Vec::load_partial(p, n); }
+  static V broadcast(A x) { return Vec::set1(x); }
+  static V update(V a, V b, V acc) { return Vec::fmadd(a, b, acc); }
+};
+
 template <class Vec>
 struct GemmKernels {
   using T = typename Vec::T;
@@ -45,20 +62,28 @@ struct GemmKernels {
   static constexpr int NR = kPanelVectors * W;  // panel width
   static constexpr int kWideWidth = Vec::kWideVectors * W;  // gemm_wide's panel width
 
-  // One MR x (NV * W) register tile: C tile = init + A(MR rows) . B(K x NV*W).
+  // One MR x (NV * W) register tile: C tile = init + A(MR rows) . B(K x NV*W),
+  // K steps of Step (FmaStep: k; the bfloat16 products: pairs of k).
   // The accumulators are plain locals, never address-taken, so that they
   // stay in registers through the k loop. kA says whether A's row stride is
   // 1 (see ALayout).
-  template <int MR, int NV, bool kFullWidth, ALayout kA = ALayout::kStrided>
-  static void gemm_tile(int64_t K, const T* a, int64_t a_row, int64_t a_col, const T* b,
-                        int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
-                        const T* init_values) {
+  template <int MR, int NV, bool kFullWidth, ALayout kA = ALayout::kStrided,
+            class Step = FmaStep<Vec>>
+  static void gemm_tile(int64_t K, const typename Step::A* a, int64_t a_row, int64_t a_col,
+                        const typename Step::B* b, int64_t ldb, T* c, int64_t ldc, int n,
+                        GemmInit init, const T* init_values) {
+    using AElem = typename Step::A;
+    using BElem = typename Step::B;
     // Lanes of each vector of a (possibly partial) row of the tile.
     int len[NV];
     for (int v = 0; v < NV; ++v) len[v] = kFullWidth ? W : imax(imin(n - v * W, W), 0);
     auto load_row = [len](const T* p, int v) {
       return kFullWidth ? Vec::load(p + v * W)
                         : (len[v] ? Vec::load_partial(p + v * W, len[v]) : Vec::zero());
+    };
+    auto load_b = [len](const BElem* p, int v) {
+      return kFullWidth ? Step::load(p + v * W)
+                        : (len[v] ? Step::load_partial(p + v * W, len[v]) : Vec::zero());
     };
     // Every branch of step 1 sets every accumulator; GCC cannot see that
     // through the portable vector's lane array in the one-vector tiles.
@@ -107,44 +132,44 @@ struct GemmKernels {
       // and 8 rows, the flash tile's scores and its last rows of P.V, had
       // reloaded four spilled indices per k in the general loop; in the
       // quads the attention takes less time or as long: docs/tuning.md.)
-      const T* quad[MR / 4];
+      const AElem* quad[MR / 4];
 #pragma GCC unroll 4
       for (int i = 0; i < MR / 4; ++i) quad[i] = a + 4 * i * a_row;
       const int64_t s1 = a_row, s2 = 2 * a_row, s3 = 3 * a_row;
 #pragma GCC unroll 2
       for (int64_t k = 0; k < K; ++k) {
-        const T* bk = b + k * ldb;
+        const BElem* bk = b + k * ldb;
         V bv[NV];
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
+        for (int v = 0; v < NV; ++v) bv[v] = load_b(bk, v);
         const int64_t ko = k * a_col;
 #pragma GCC unroll 4
         for (int i = 0; i < MR / 4; ++i) {
-          const T* p = quad[i] + ko;
-          const V a0 = Vec::set1(p[0]), a1 = Vec::set1(p[s1]), a2 = Vec::set1(p[s2]),
-                  a3 = Vec::set1(p[s3]);
+          const AElem* p = quad[i] + ko;
+          const V a0 = Step::broadcast(p[0]), a1 = Step::broadcast(p[s1]),
+                  a2 = Step::broadcast(p[s2]), a3 = Step::broadcast(p[s3]);
 #pragma GCC unroll 4
           for (int v = 0; v < NV; ++v) {
-            acc[4 * i][v] = Vec::fmadd(a0, bv[v], acc[4 * i][v]);
-            acc[4 * i + 1][v] = Vec::fmadd(a1, bv[v], acc[4 * i + 1][v]);
-            acc[4 * i + 2][v] = Vec::fmadd(a2, bv[v], acc[4 * i + 2][v]);
-            acc[4 * i + 3][v] = Vec::fmadd(a3, bv[v], acc[4 * i + 3][v]);
+            acc[4 * i][v] = Step::update(a0, bv[v], acc[4 * i][v]);
+            acc[4 * i + 1][v] = Step::update(a1, bv[v], acc[4 * i + 1][v]);
+            acc[4 * i + 2][v] = Step::update(a2, bv[v], acc[4 * i + 2][v]);
+            acc[4 * i + 3][v] = Step::update(a3, bv[v], acc[4 * i + 3][v]);
           }
         }
       }
     } else
 #pragma GCC unroll 4
     for (int64_t k = 0; k < K; ++k) {
-      const T* bk = b + k * ldb;
+      const BElem* bk = b + k * ldb;
       V bv[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
-      const T* ak = a + k * a_col;
+      for (int v = 0; v < NV; ++v) bv[v] = load_b(bk, v);
+      const AElem* ak = a + k * a_col;
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        const V am = Vec::set1(ak[m * (kA == ALayout::kColumnMajor ? 1 : a_row)]);
+        const V am = Step::broadcast(ak[m * (kA == ALayout::kColumnMajor ? 1 : a_row)]);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[m][v] = Vec::fmadd(am, bv[v], acc[m][v]);
+        for (int v = 0; v < NV; ++v) acc[m][v] = Step::update(am, bv[v], acc[m][v]);
       }
     }
     // Step 3: store.
@@ -166,28 +191,30 @@ struct GemmKernels {
   }
 
   // The tile for the last `rows` < MR rows: recurse down to that count.
-  template <int MR, int NV, bool kFullWidth>
-  static void gemm_rows(int rows, int64_t K, const T* a, int64_t a_row, int64_t a_col,
-                        const T* b, int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
-                        const T* init_values) {
+  template <int MR, int NV, bool kFullWidth, class Step = FmaStep<Vec>>
+  static void gemm_rows(int rows, int64_t K, const typename Step::A* a, int64_t a_row,
+                        int64_t a_col, const typename Step::B* b, int64_t ldb, T* c,
+                        int64_t ldc, int n, GemmInit init, const T* init_values) {
     if constexpr (MR > 1) {
       if (rows < MR)
-        return gemm_rows<MR - 1, NV, kFullWidth>(rows, K, a, a_row, a_col, b, ldb, c, ldc, n,
-                                                 init, init_values);
+        return gemm_rows<MR - 1, NV, kFullWidth, Step>(rows, K, a, a_row, a_col, b, ldb, c, ldc,
+                                                       n, init, init_values);
     }
-    gemm_tile<MR, NV, kFullWidth>(K, a, a_row, a_col, b, ldb, c, ldc, n, init, init_values);
+    gemm_tile<MR, NV, kFullWidth, ALayout::kStrided, Step>(K, a, a_row, a_col, b, ldb, c, ldc, n,
+                                                           init, init_values);
   }
 
   // One panel of C (n columns from c, B's from b, init_values offset to the
   // panel's columns) MR rows at a time, each row tile over k in runs of
-  // kSumRun: the first run starts C as `init` says, each later one sums from
-  // zero and adds to C.
+  // Step::kRun steps (kSumRun elements): the first run starts C as `init`
+  // says, each later one sums from zero and adds to C.
   // Tiles of MR rows take the layout kA; the last, shorter ones the general
   // tile.
-  template <int MR, int NV, bool kFullWidth, ALayout kA = ALayout::kStrided>
-  static void gemm_panel(int64_t M, int64_t K, const T* a, int64_t a_row, int64_t a_col,
-                         const T* b, int64_t ldb, T* c, int64_t ldc, int n, GemmInit init,
-                         const T* init_values) {
+  template <int MR, int NV, bool kFullWidth, ALayout kA = ALayout::kStrided,
+            class Step = FmaStep<Vec>>
+  static void gemm_panel(int64_t M, int64_t K, const typename Step::A* a, int64_t a_row,
+                         int64_t a_col, const typename Step::B* b, int64_t ldb, T* c,
+                         int64_t ldc, int n, GemmInit init, const T* init_values) {
     for (int64_t m0 = 0; m0 < M;) {
       // A last tile of fewer than MR / 2 rows has too few accumulators to
       // hide the multiply-add latency: the last MR + r rows then go as two
@@ -201,60 +228,62 @@ struct GemmKernels {
                             ? init_values + r0
                             : init_values;
       for (int64_t k0 = 0;;) {
-        const int64_t run = min64(kSumRun, K - k0);
-        const T* a_tile = a + r0 * a_row + k0 * a_col;
+        const int64_t run = min64(Step::kRun, K - k0);
+        const typename Step::A* a_tile = a + r0 * a_row + k0 * a_col;
         const GemmInit run_init = k0 == 0 ? init : GemmInit::kAddSum;
         if (kA != ALayout::kStrided && rows == MR)
-          gemm_tile<MR, NV, kFullWidth, kA>(run, a_tile, a_row, a_col, b + k0 * ldb, ldb,
-                                            c + r0 * ldc, ldc, n, run_init, init_m);
+          gemm_tile<MR, NV, kFullWidth, kA, Step>(run, a_tile, a_row, a_col, b + k0 * ldb, ldb,
+                                                  c + r0 * ldc, ldc, n, run_init, init_m);
         else
-          gemm_rows<MR, NV, kFullWidth>(rows, run, a_tile, a_row, a_col, b + k0 * ldb, ldb,
-                                        c + r0 * ldc, ldc, n, run_init, init_m);
+          gemm_rows<MR, NV, kFullWidth, Step>(rows, run, a_tile, a_row, a_col, b + k0 * ldb,
+                                              ldb, c + r0 * ldc, ldc, n, run_init, init_m);
         k0 += run;
         if (k0 >= K) break;
       }
     }
   }
 
-  // gemm over panels NV vectors wide, MR rows at a time.
-  template <int MR, int NV>
-  static void gemm_panels(int64_t M, int64_t N, int64_t K, const T* a, int64_t a_row,
-                          int64_t a_col, const T* b, int64_t ldb, T* c, int64_t ldc,
-                          GemmInit init, const T* init_values) {
+  // gemm over panels NV vectors wide, MR rows at a time. kColumnMajor: full
+  // panels on a column-major A (a_row == 1) take the tile of that layout
+  // (gemm's own tiles, not gemm_wide's: the flash tile's P.V).
+  template <int MR, int NV, class Step = FmaStep<Vec>,
+            bool kColumnMajor = Vec::kColumnMajorTile && MR == Vec::kGemmRows &&
+                                NV == kPanelVectors>
+  static void gemm_panels(int64_t M, int64_t N, int64_t K, const typename Step::A* a,
+                          int64_t a_row, int64_t a_col, const typename Step::B* b, int64_t ldb,
+                          T* c, int64_t ldc, GemmInit init, const T* init_values) {
     constexpr int kWidth = NV * W;
     for (int64_t n0 = 0; n0 < N; n0 += kWidth) {
       const int n = static_cast<int>(min64(kWidth, N - n0));
       const T* init_n = init == GemmInit::kBiasColumns ? init_values + n0 : init_values;
       if (n == kWidth) {
-        // gemm's own tile (not gemm_wide's) on a column-major A: the flash
-        // tile's P.V.
-        if constexpr (Vec::kColumnMajorTile && MR == Vec::kGemmRows && NV == kPanelVectors) {
+        if constexpr (kColumnMajor) {
           if (a_row == 1) {
-            gemm_panel<MR, NV, true, ALayout::kColumnMajor>(M, K, a, a_row, a_col, b + n0, ldb,
-                                                            c + n0, ldc, n, init, init_n);
+            gemm_panel<MR, NV, true, ALayout::kColumnMajor, Step>(
+                M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init, init_n);
             continue;
           }
         }
-        gemm_panel<MR, NV, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
-                                 init_n);
+        gemm_panel<MR, NV, true, ALayout::kStrided, Step>(M, K, a, a_row, a_col, b + n0, ldb,
+                                                          c + n0, ldc, n, init, init_n);
       } else if (NV > 1 && n == W) {
         // A panel of one vector (a few queries, a head dim of 16): a tile one
         // vector wide spends no multiply-adds on the empty vectors, and holds
         // more rows (see kOneVectorRows). The sums go in the same order: the
         // same bits.
         constexpr int kRows = Vec::kOneVectorRows;
-        if constexpr (Vec::kColumnMajorTile && MR == Vec::kGemmRows && NV == kPanelVectors) {
+        if constexpr (kColumnMajor) {
           if (a_row == 1) {
-            gemm_panel<kRows, 1, true, ALayout::kColumnMajor>(M, K, a, a_row, a_col, b + n0, ldb,
-                                                              c + n0, ldc, n, init, init_n);
+            gemm_panel<kRows, 1, true, ALayout::kColumnMajor, Step>(
+                M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init, init_n);
             continue;
           }
         }
-        gemm_panel<kRows, 1, true>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
-                                   init_n);
+        gemm_panel<kRows, 1, true, ALayout::kStrided, Step>(M, K, a, a_row, a_col, b + n0, ldb,
+                                                            c + n0, ldc, n, init, init_n);
       } else {
-        gemm_panel<MR, NV, false>(M, K, a, a_row, a_col, b + n0, ldb, c + n0, ldc, n, init,
-                                  init_n);
+        gemm_panel<MR, NV, false, ALayout::kStrided, Step>(M, K, a, a_row, a_col, b + n0, ldb,
+                                                           c + n0, ldc, n, init, init_n);
       }
     }
   }

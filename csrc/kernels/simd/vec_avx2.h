@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/simd/bf16_bits.h"
 #include "kernels/simd/hold_register.h"
 #include "kernels/simd/vec_exp.h"
 #include "kernels/simd/vec_gelu.h"
@@ -89,6 +90,61 @@ struct Avx2F32 {
   }
   static V load_widen_bf16_partial(const uint16_t* p, int n) {
     return avx2_detail::widen_bf16(avx2_detail::load_u16_partial(p, n));
+  }
+  // Pairs of bfloat16, as Avx512F32's.
+  static V load_pairs(const uint32_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+  static V load_pairs_partial(const uint32_t* p, int n) {
+    return load_partial(reinterpret_cast<const float*>(p), n);
+  }
+  static void store_pairs(uint32_t* p, V v) { _mm256_storeu_ps(reinterpret_cast<float*>(p), v); }
+  static void store_pairs_partial(uint32_t* p, V v, int n) {
+    store_partial(reinterpret_cast<float*>(p), v, n);
+  }
+  static V set1_pair(uint32_t x) { return _mm256_castsi256_ps(_mm256_set1_epi32(int(x))); }
+  static V pair_high(V x) {
+    return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(int(kBf16High))));
+  }
+  static V pair_low(V x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(x), 16));
+  }
+  static V make_pairs(V lo, V hi) {
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
+                                               _mm256_castps_si256(hi)));
+  }
+  // round_bf16_bits (bf16_bits.h) lane by lane. The magnitudes are below
+  // 2^31: signed compares order them.
+  static V round_bf16(V x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(int(kBf16AbsMask)));
+    const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(int(kBf16Infinity)));
+    const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(kBf16MinNormal)), magnitude);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(int(kBf16HalfUlp))), odd);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(bits, _mm256_set1_epi32(int(kBf16Quiet))), nan);
+    r = _mm256_and_si256(r, _mm256_set1_epi32(int(kBf16High)));
+    const __m256i sign = _mm256_andnot_si256(_mm256_set1_epi32(int(kBf16AbsMask)), bits);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(r, sign, tiny));
+  }
+  // The pairs of 16 consecutive rounded values, x0's 8 then x1's: the high
+  // halves packed to 16 bits (vpackusdw packs within 128-bit lanes, and
+  // vpermq puts the lanes back in order).
+  static V adjacent_pairs(V x0, V x1) {
+    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(x0), 16),
+                                               _mm256_srli_epi32(_mm256_castps_si256(x1), 16));
+    return _mm256_castsi256_ps(_mm256_permute4x64_epi64(packed, 0xd8));
+  }
+  // The bfloat16 halves of 8 rounded values, stored as 16-bit values.
+  static __m128i bf16_halves(V rounded) {
+    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  }
+  static void store_bf16(uint16_t* p, V rounded) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_halves(rounded));
+  }
+  static void store_bf16_partial(uint16_t* p, V rounded, int n) {
+    alignas(16) uint16_t buf[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(buf), bf16_halves(rounded));
+    for (int i = 0; i < n; ++i) p[i] = buf[i];
   }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/simd/bf16_bits.h"
 #include "kernels/simd/hold_register.h"
 #include "kernels/simd/vec_exp.h"
 #include "kernels/simd/vec_gelu.h"
@@ -65,6 +66,76 @@ struct Avx512F32 {
     const __m512i quiet = _mm512_set1_epi32(0x00400000);
     return _mm512_castsi512_ps(_mm512_mask_or_epi32(bits, nan, bits, quiet));
   }
+  // Pairs of bfloat16 (kernels/bf16_table.h), one per 32-bit lane, held in
+  // a V: element 2p in the low half, 2p + 1 in the high half. The high half
+  // is a float32 as it stands; the low one once shifted into the top.
+  static V load_pairs(const uint32_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+  static V load_pairs_partial(const uint32_t* p, int n) {
+    return _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(first(n), p));
+  }
+  static void store_pairs(uint32_t* p, V v) { _mm512_storeu_si512(p, _mm512_castps_si512(v)); }
+  static void store_pairs_partial(uint32_t* p, V v, int n) {
+    _mm512_mask_storeu_epi32(p, first(n), _mm512_castps_si512(v));
+  }
+  static V set1_pair(uint32_t x) { return _mm512_castsi512_ps(_mm512_set1_epi32(int(x))); }
+  static V pair_high(V x) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(kBf16High))));
+  }
+  static V pair_low(V x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(x), 16));
+  }
+  // Pairs from the bfloat16 values (low halves 0) of lo and hi.
+  static V make_pairs(V lo, V hi) {
+    return _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_srli_epi32(_mm512_castps_si512(lo), 16), _mm512_castps_si512(hi)));
+  }
+  // round_bf16_bits (bf16_bits.h) lane by lane: x rounded to bfloat16.
+  static V round_bf16(V x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(int(kBf16AbsMask)));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(int(kBf16Infinity)));
+    const __mmask16 tiny =
+        _mm512_cmplt_epu32_mask(magnitude, _mm512_set1_epi32(int(kBf16MinNormal)));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(int(kBf16HalfUlp))), odd);
+    r = _mm512_mask_or_epi32(r, nan, bits, _mm512_set1_epi32(int(kBf16Quiet)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32(int(kBf16High)));
+    r = _mm512_mask_andnot_epi32(r, tiny, _mm512_set1_epi32(int(kBf16AbsMask)), bits);
+    return _mm512_castsi512_ps(r);
+  }
+  // The pairs of 32 consecutive rounded values, x0's 16 then x1's: pair j
+  // holds values 2j and 2j + 1 (one vpermt2w of the high halves).
+  static V adjacent_pairs(V x0, V x1) {
+    alignas(64) static constexpr int16_t kOddWords[32] = {
+        1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+        33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    return _mm512_castsi512_ps(_mm512_permutex2var_epi16(
+        _mm512_castps_si512(x0), _mm512_load_si512(kOddWords), _mm512_castps_si512(x1)));
+  }
+  // The bfloat16 halves of 16 rounded values, stored as 16-bit values (vpmovdw).
+  static void store_bf16(uint16_t* p, V rounded) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+  }
+  static void store_bf16_partial(uint16_t* p, V rounded, int n) {
+    _mm512_mask_cvtepi32_storeu_epi16(p, first(n),
+                                      _mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
+  }
+#if defined(__AVX512BF16__)
+  // The instructions themselves (compiled with -mavx512bf16 only):
+  // vdpbf16ps, acc + a.high b.high + a.low b.low (see bf16_kernels.h), and
+  // vcvtneps2bf16 (the rounding of round_bf16, in one instruction), widened
+  // back to float32 bits.
+  static V dot_pairs(V a, V b, V acc) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(a),
+                            (__m512bh)_mm512_castps_si512(b));
+  }
+  static V round_bf16_native(V x) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#endif
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/simd/bf16_bits.h"
 #include "kernels/simd/vec_gelu.h"
 
 namespace attnx::simd {
@@ -102,6 +103,52 @@ struct Portable {
     return map([p, n](int i) {
       return i < n ? float_from_bits(bfloat16_to_float32_bits(p[i])) : T(0);
     });
+  }
+  // Pairs of bfloat16, as Avx512F32's (float vectors only): the lanes carry
+  // the bits, copied whole.
+  static uint32_t bits_of(T x) {
+    uint32_t b;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+  }
+  template <typename F>
+  static V map_bits(F f) {
+    return map([&](int i) { return float_from_bits(f(i)); });
+  }
+  static V load_pairs(const uint32_t* p) { return load_pairs_partial(p, W); }
+  static V load_pairs_partial(const uint32_t* p, int n) {
+    return map_bits([p, n](int i) { return i < n ? p[i] : 0u; });
+  }
+  static void store_pairs(uint32_t* p, V v) { store_pairs_partial(p, v, W); }
+  static void store_pairs_partial(uint32_t* p, V v, int n) {
+    for (int i = 0; i < n; ++i) p[i] = bits_of(v.lane[i]);
+  }
+  static V set1_pair(uint32_t x) {
+    return map_bits([x](int) { return x; });
+  }
+  static V pair_high(V x) {
+    return map_bits([&](int i) { return bits_of(x.lane[i]) & kBf16High; });
+  }
+  static V pair_low(V x) {
+    return map_bits([&](int i) { return bits_of(x.lane[i]) << 16; });
+  }
+  static V make_pairs(V lo, V hi) {
+    return map_bits([&](int i) { return bits_of(lo.lane[i]) >> 16 | bits_of(hi.lane[i]); });
+  }
+  static V round_bf16(V x) {
+    return map_bits([&](int i) { return round_bf16_bits(bits_of(x.lane[i])); });
+  }
+  // The pairs of 2W consecutive rounded values, x0's W then x1's.
+  static V adjacent_pairs(V x0, V x1) {
+    return map_bits([&](int i) {
+      const V& x = 2 * i < W ? x0 : x1;
+      const int j = 2 * i % W;
+      return bits_of(x.lane[j]) >> 16 | (bits_of(x.lane[j + 1]) & kBf16High);
+    });
+  }
+  static void store_bf16(uint16_t* p, V rounded) { store_bf16_partial(p, rounded, W); }
+  static void store_bf16_partial(uint16_t* p, V rounded, int n) {
+    for (int i = 0; i < n; ++i) p[i] = static_cast<uint16_t>(bits_of(rounded.lane[i]) >> 16);
   }
   static V add(V a, V b) {
     return map([&](int i) { return a.lane[i] + b.lane[i]; });

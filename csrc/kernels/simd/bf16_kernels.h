@@ -1,0 +1,160 @@
+// The bfloat16 products of one instruction set (kernels/bf16_table.h), over
+// a float vector type `Vec`: the float gemm's register tiles (gemm_kernels.h)
+// stepping over pairs of bfloat16, the rounding to bfloat16 and the packing
+// of pairs. kNative: AVX512_BF16's instructions (the file that instantiates
+// it is compiled with -mavx512bf16); else the same arithmetic emulated with
+// float32 multiply-adds and integer rounding, to the same bits.
+//
+// What vdpbf16ps does, checked on AMD Zen 4 against the emulation below
+// (docs/tuning.md): acc' = (acc + a.high b.high) + a.low b.low, two float32
+// additions each rounded to nearest even, of products that are exact (two
+// bfloat16 significands of 8 bits make at most 16). An emulation that adds
+// the low products first, or the two products before acc, gives other bits
+// in about one result in ten. The instruction also treats subnormal inputs
+// (acc and the operands) as zero and flushes subnormal results, both
+// intermediate and final, to zero; the emulation does neither, so that the
+// tables agree to the bit where no operand, product or sum is subnormal.
+// Included only by kernels/<isa>/kernels__<isa>.cpp, compiled with that
+// instruction set's flags.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/bf16_table.h"
+#include "kernels/simd/bf16_bits.h"
+#include "kernels/simd/gemm_kernels.h"
+#include "kernels/simd/kernel_helpers.h"
+
+namespace attnx::simd {
+// Internal linkage: this code is compiled once per instruction set, and no
+// copy of it may be merged with another built for a different one.
+namespace {
+
+// gemm's step over pairs: a step is one pair of k, two products per lane,
+// and a run of kSumRun elements is kSumRun / 2 pairs, so that the sums are
+// folded into C where the float gemm folds its own.
+template <class Vec, bool kNative>
+struct PairStep {
+  using V = typename Vec::V;
+  using A = uint32_t;
+  using B = uint32_t;
+  static constexpr int64_t kRun = kSumRun / 2;
+  static V load(const B* p) { return Vec::load_pairs(p); }
+  static V load_partial(const B* p, int n) { return Vec::load_pairs_partial(p, n); }
+  static V broadcast(A x) { return Vec::set1_pair(x); }
+  static V update(V a, V b, V acc) {
+    if constexpr (kNative) {
+      return Vec::dot_pairs(a, b, acc);
+    } else {
+      // The high products first, as vdpbf16ps. The halves of b are the same
+      // for every row of the tile, those of a for every vector: the
+      // compiler computes each once per step.
+      acc = Vec::fmadd(Vec::pair_high(a), Vec::pair_high(b), acc);
+      return Vec::fmadd(Vec::pair_low(a), Vec::pair_low(b), acc);
+    }
+  }
+};
+
+template <class Vec, bool kNative>
+struct Bf16Kernels {
+  using V = typename Vec::V;
+  using Gemm = GemmKernels<Vec>;
+  using Step = PairStep<Vec, kNative>;
+  static constexpr int W = Vec::W;
+  // The float gemm's register tile (Vec::kGemmRows x kPanelVectors).
+  static constexpr int kRows = Vec::kGemmRows;
+  static constexpr int kVectors = kPanelVectors;
+
+  static void gemm(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t a_row,
+                   int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                   GemmInit init, const float* init_values) {
+    Gemm::template gemm_panels<kRows, kVectors, Step>(M, N, K2, a, a_row, a_col, b, ldb, c, ldc,
+                                                      init, init_values);
+  }
+
+  // x rounded to bfloat16 (bf16_bits.h), as float32 values.
+  static V round_vector(V x) {
+    if constexpr (kNative)
+      return Vec::round_bf16_native(x);
+    else
+      return Vec::round_bf16(x);
+  }
+
+  static void round(const float* src, int64_t n, uint16_t* dst) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) Vec::store_bf16(dst + i, round_vector(Vec::load(src + i)));
+    const int tail = static_cast<int>(n - i);
+    if (tail) Vec::store_bf16_partial(dst + i, round_vector(Vec::load_partial(src + i, tail)), tail);
+  }
+
+  static void round_in_place(float* x, int64_t n) { map_rows<Vec>(x, 1, n, n, round_vector); }
+
+  // One pair from the values at lo and hi (null: none, 0), scaled and rounded.
+  static uint32_t pair_of(const float* lo, const float* hi, float scale) {
+    const auto rounded = [scale](const float* p) {
+      float x = *p * scale;
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof bits);
+      return round_bf16_bits(bits);
+    };
+    return rounded(lo) >> 16 | (hi != nullptr ? rounded(hi) : 0u);
+  }
+
+  static void pack_pairs(const float* src, int64_t ld_k, int64_t ld_n, int64_t K, int64_t N,
+                         float scale, uint32_t* dst, int64_t ldd) {
+    const int64_t pairs = (K + 1) / 2;
+    const V s = Vec::set1(scale);
+    const auto scaled = [s](const float* p) { return round_vector(Vec::mul(Vec::load(p), s)); };
+    int64_t p_done = 0, n_done = 0;  // what the vector loops below leave to the scalar one
+    if (ld_n == 1) {
+      // Rows of pairs from pairs of rows of X: W columns at a time.
+      for (int64_t p = 0; p < pairs; ++p) {
+        const float* lo = src + 2 * p * ld_k;
+        const bool has_hi = 2 * p + 1 < K;
+        uint32_t* out = dst + p * ldd;
+        int64_t n = 0;
+        for (; n + W <= N; n += W)
+          Vec::store_pairs(out + n, Vec::make_pairs(scaled(lo + n),
+                                                    has_hi ? scaled(lo + ld_k + n) : Vec::zero()));
+        for (; n < N; ++n) out[n] = pair_of(lo + n, has_hi ? lo + ld_k + n : nullptr, scale);
+      }
+      return;
+    }
+    if (ld_k == 1) {
+      // Transposing: a pair's two values are adjacent in a column of X (a
+      // row of src). Blocks of W columns x W pairs: each column's 2W values
+      // make W pairs in one vector, and a transpose turns the W vectors
+      // into W rows of dst.
+      const int64_t full_pairs = K / (2 * W) * W;
+      for (int64_t n0 = 0; n0 + W <= N; n0 += W) {
+        for (int64_t p0 = 0; p0 < full_pairs; p0 += W) {
+          V r[W];
+          for (int i = 0; i < W; ++i) {
+            const float* col = src + (n0 + i) * ld_n + 2 * p0;
+            r[i] = Vec::adjacent_pairs(scaled(col), scaled(col + W));
+          }
+          Vec::transpose(r);
+          for (int j = 0; j < W; ++j) Vec::store_pairs(dst + (p0 + j) * ldd + n0, r[j]);
+        }
+      }
+      p_done = full_pairs;
+      n_done = N / W * W;
+    }
+    // What is left (any layout), one pair at a time: the pairs from p_done
+    // of every column, and those below it of the columns from n_done.
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t p = n < n_done ? p_done : 0; p < pairs; ++p) {
+        const float* lo = src + 2 * p * ld_k + n * ld_n;
+        dst[p * ldd + n] = pair_of(lo, 2 * p + 1 < K ? lo + ld_k : nullptr, scale);
+      }
+  }
+
+  static Bf16KernelTable table(const char* name, Isa isa) {
+    return Bf16KernelTable{name, isa, kNative, kVectors * W, gemm, round, round_in_place,
+                           pack_pairs};
+  }
+};
+
+}  // namespace
+}  // namespace attnx::simd
