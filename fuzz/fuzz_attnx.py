@@ -1307,14 +1307,16 @@ STEP_ARRAYS = ["query", "in_proj_weight", "in_proj_bias", "out_proj_weight", "ou
                "q_proj_weight", "k_proj_weight", "v_proj_weight", "lengths"]
 
 
-def step_expected(a, cache, before, n):
+def step_expected(a, cache, before, n, bf16=False):
     """float64 expectation of one multi_head_attention_step that appended n[b] tokens to
     sequence b of `cache` (which held before[b]): the new tokens' queries, keys and values
-    (B, H, T, D) and the step's output; raises where the arguments describe no valid step."""
+    (B, H, T, D) and the step's output; raises where the arguments describe no valid step.
+    With `bf16`, the float32 expectation of precision "bfloat16" (the reference's rounding)."""
     x = np.asarray(a["query"])
     if not is_float(x):
         raise TypeError("query")
-    x = x.astype(np.float64)
+    run = F32 if bf16 else np.float64
+    x = x.astype(run)
     layout = "unbatched" if x.ndim == 2 else ("batch_first" if a["batch_first"] else "seq_first")
     xb = {"unbatched": lambda: x[None], "batch_first": lambda: x, "seq_first": lambda: x.transpose(1, 0, 2)}[layout]()
     B, T, E = xb.shape
@@ -1325,23 +1327,23 @@ def step_expected(a, cache, before, n):
         value = np.asarray(a[name])
         if not is_float(value) or value.shape != shape:
             raise ValueError(name)
-        return value.astype(np.float64)
+        return value.astype(run)
 
     if a["use_separate_proj_weight"]:
         w_in = np.concatenate([param(name, (E, E)) for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight")])
     else:
         w_in = param("in_proj_weight", (3 * E, E))
-    b_in = np.zeros(3 * E) if a["in_proj_bias"] is None else param("in_proj_bias", (3 * E,))
+    b_in = np.zeros(3 * E, run) if a["in_proj_bias"] is None else param("in_proj_bias", (3 * E,))
     w_out = np.asarray(a["out_proj_weight"])
     if not is_float(w_out) or w_out.ndim != 2 or w_out.shape[1] != E:
         raise ValueError("out_proj_weight")
-    w_out = w_out.astype(np.float64)
-    b_out = np.zeros(w_out.shape[0]) if a["out_proj_bias"] is None else param("out_proj_bias", (w_out.shape[0],))
-    qkv = xb @ w_in.T + b_in
+    w_out = w_out.astype(run)
+    b_out = np.zeros(w_out.shape[0], run) if a["out_proj_bias"] is None else param("out_proj_bias", (w_out.shape[0],))
+    qkv = reference._linear(xb, w_in, b_in, bf16)
     q, k, v = (qkv[..., i * E:(i + 1) * E].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3))
-    attn = reference.cached_attention(q, np.asarray(cache.key, np.float64), np.asarray(cache.value, np.float64),
-                                      before + n, query_lengths=n)
-    out = attn.transpose(0, 2, 1, 3).reshape(B, T, E) @ w_out.T + b_out
+    attn = reference.cached_attention(q, np.asarray(cache.key, run), np.asarray(cache.value, run),
+                                      before + n, query_lengths=n, precision="bfloat16" if bf16 else None)
+    out = reference._linear(attn.transpose(0, 2, 1, 3).reshape(B, T, E), w_out, b_out, bf16)
     out = {"unbatched": lambda: out[0], "batch_first": lambda: out, "seq_first": lambda: out.transpose(1, 0, 2)}[layout]()
     return q, k, v, out
 
@@ -1382,7 +1384,9 @@ def fuzz_step(p: Provider):
             if isinstance(a[name], np.ndarray) and p.bool(0.15):
                 a[name] = relayout(p, a[name])
         valid_n = np.full(B, T) if a["lengths"] is None else np.asarray(a["lengths"])
-        n_mut = p.choice([0, 0, 0, 1, 2])
+        # float64 queries compute their projections in float64: no bfloat16 products.
+        precision, invalid = draw_precision(p, a["query"].dtype if a["query"].dtype == F64 else F32)
+        n_mut = p.choice([0, 0, 0, 1, 2]) + invalid
         for _ in range(n_mut):
             if p.bool(0.8):
                 name = p.choice(STEP_ARRAYS)
@@ -1396,7 +1400,7 @@ def fuzz_step(p: Provider):
             a["query"], cache, a["num_heads"], a["in_proj_weight"], a["in_proj_bias"], a["out_proj_weight"],
             a["out_proj_bias"], lengths=a["lengths"], batch_first=a["batch_first"],
             use_separate_proj_weight=a["use_separate_proj_weight"], q_proj_weight=a["q_proj_weight"],
-            k_proj_weight=a["k_proj_weight"], v_proj_weight=a["v_proj_weight"]))
+            k_proj_weight=a["k_proj_weight"], v_proj_weight=a["v_proj_weight"], precision=precision))
         check_untouched(snap, "step")
         if not still_held(cache, held_before):
             raise Disallowed("step: a cached token's key or value changed")
@@ -1414,7 +1418,8 @@ def fuzz_step(p: Provider):
         n = np.full(B, tokens) if a["lengths"] is None else np.asarray(a["lengths"], dtype=np.int64)
         if not np.array_equal(cache.lengths, before + n):
             raise Disallowed(f"step: cache lengths {cache.lengths.tolist()}, expected {(before + n).tolist()}")
-        expected = reference_of(lambda: step_expected(a, cache, before, n))
+        bf16 = precision == "bfloat16"
+        expected = reference_of(lambda: step_expected(a, cache, before, n, bf16))
         if expected is None:
             raise Disallowed("step: attnx computed a result for a call the reference rejects")
         q, k, v, out = expected
@@ -1435,6 +1440,10 @@ def fuzz_step(p: Provider):
                                            err_msg="step: appended values", **stored)
         moderate = all(logits_moderate(q[b], keys[b], 1 / math.sqrt(E // H)) for b in range(B))
         tolerance = result_dtype if result_dtype.itemsize < compute.itemsize else compute
+        if bf16:
+            tolerance = bf16_tolerance(input_arrays(arrays) + values_held)
+            if result_dtype.itemsize == 2:  # and the result's own rounding
+                tolerance["rtol"] += TOL[result_dtype]["rtol"]
         compare(got, out, result_dtype, "step", arrays + keys + values_held, moderate, tolerance)
 
 
@@ -1712,6 +1721,13 @@ def fuzz_transformer_layer(p: Provider):
     if p.bool(0.6):
         randomize_parameters(p, module)
     dtype = layer.dtype
+    # The precision: the module's (set on it) or the call's.
+    precision, invalid = draw_precision(p, dtype)
+    call_precision = precision
+    if not invalid and precision is not None and p.bool():
+        module.precision = precision
+        call_precision = None
+    bf16 = precision == "bfloat16"
     E, H = layer.d_model, layer.self_attn.num_heads
     batch_first = layer.batch_first
     N, L, S = p.int(0, 3), p.choice([0, 1, 2, 5, 9]), p.choice([0, 1, 3, 7])
@@ -1758,17 +1774,20 @@ def fuzz_transformer_layer(p: Provider):
     sequences = arrays[: 1 + decoder]
 
     def run():
-        return module(*(args[n] for n in sequences), **{n: args[n] for n in arrays[1 + decoder:] + flags})
+        return module(*(args[n] for n in sequences), **{n: args[n] for n in arrays[1 + decoder:] + flags},
+                      precision=call_precision)
 
     what = type(module).__name__
     changes = p.choice([0, 0, 0, 1, 1, 2])
-    if rarely(p, 0.2) and not (module.training and layer.dropout):
+    # (With bfloat16 products the weights are rounded once, at the first call: values written
+    # in place after it are not seen, as documented.)
+    if rarely(p, 0.2) and not (module.training and layer.dropout) and not bf16:
         # A first call (which keeps the core's view of the parameters), then a parameter
         # changed in place or assigned: the next call must see the new values.
         call(f"{what} (first call)", run)
         OUTCOMES["transformer: parameter changed after a call"] += 1
         changes = max(changes, 1)
-    n_mut = 0
+    n_mut = int(invalid)
     for _ in range(changes):
         n_mut += mutate_parameter(p, module)
     if rarely(p, 0.05):
@@ -1822,7 +1841,7 @@ def fuzz_transformer_layer(p: Provider):
                              f"{key} of shape {np.shape(plain(x))}, expected {shape}")
     params = layer_params(module, dtype)
 
-    def reference_in(run_dtype):
+    def reference_in(run_dtype, rounded=False):
         def arr(name):
             return np.asarray(plain(args[name])).astype(dtype).astype(run_dtype)
 
@@ -1834,7 +1853,7 @@ def fuzz_transformer_layer(p: Provider):
             own = {k[len(prefix):]: v.astype(run_dtype) for k, v in params.items() if k.startswith(prefix)}
             eps = tuple(float(getattr(one, n).eps) for n in ("norm1", "norm2", "norm3")[: 2 + decoder])
             common = dict(activation=one.activation, norm_first=bool(one.norm_first), batch_first=batch_first,
-                          layer_norm_eps=eps)
+                          layer_norm_eps=eps, precision="bfloat16" if rounded else None)
             if decoder:
                 x = reference.transformer_decoder_layer(
                     x, arr("memory"), own, H, tgt_is_causal=bool(args["tgt_is_causal"]),
@@ -1848,8 +1867,14 @@ def fuzz_transformer_layer(p: Provider):
         return x
 
     try:
-        expected = reference_of(lambda: reference_in(np.float64))
-        spread = reference_of(lambda: reference_in(np.float32))
+        if bf16:
+            # The reference of the same rounding; the spread is its distance from float64
+            # without rounding: the rounding as the row's norms amplify it.
+            expected = reference_of(lambda: reference_in(np.float32, rounded=True))
+            spread = reference_of(lambda: reference_in(np.float64))
+        else:
+            expected = reference_of(lambda: reference_in(np.float64))
+            spread = reference_of(lambda: reference_in(np.float32))
     except Planted:  # the activation raised in the reference: attnx had no rows to give it
         if got.size:
             raise Disallowed(f"{what}: a result where the activation raised") from None

@@ -417,7 +417,7 @@ def _query_lengths(lengths: npt.ArrayLike | None, batch: int, T: int) -> IntArra
     return as_lengths(lengths, batch, T, "lengths", f"T = {T}, the query's tokens per sequence")
 
 
-def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, softcap, precision: int, out) -> None:
+def _attend_cache(q, cache: KVCache, n, options, out) -> None:
     """The attention of the newest n[b] tokens of each sequence over the cache, into `out`.
 
     `q` (B, Hq, T, E), checked; `out` (B, Hq, T, Ev) C-contiguous, of any float dtype.
@@ -429,7 +429,6 @@ def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, softca
     dtype = _cache_compute_dtype(cache)
     computed = out if out.dtype == dtype else np.empty(out.shape, dtype)
     key, value, lengths = cache.storage()
-    options = make_sdpa_options(True, True, scale, window_left, window_right, True, softcap, -1, precision)
     _core.cached_attention(kernel_layout(as_float(q, dtype, "query")), key, value, lengths, n, options, computed)
     if computed is not out:
         out[...] = computed
@@ -536,7 +535,8 @@ def cached_attention(
     n = _query_lengths(lengths, B, T)
     window_left, window_right = window_bounds(window)
     scale = (1.0 / math.sqrt(E)) if scale is None else as_finite_scale(scale)
-    softcap = as_softcap(softcap)
+    # Made before anything is appended: a call the core's options refuse changes nothing.
+    options = make_sdpa_options(True, True, scale, window_left, window_right, True, as_softcap(softcap), -1, code)
     result_shape = (B, Hq, T, cache.value_dim)
     if out is None:
         out = np.empty(result_shape, result_dtype)
@@ -551,7 +551,7 @@ def cached_attention(
             f"{cache.lengths.tolist()}: the query tokens must be the newest tokens in the cache "
             f"(pass key and value to append them)"
         )
-    _attend_cache(q, cache, n, scale, window_left, window_right, softcap, code, out)
+    _attend_cache(q, cache, n, options, out)
     return out
 
 
