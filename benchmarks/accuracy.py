@@ -26,26 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare  # noqa: E402  (benchmarks/compare.py: the shapes, inputs, reference and OpenVINO models)
+from results_file import cpu_model  # noqa: E402  (benchmarks/results_file.py)
 
 DEFAULT_SHAPES = ("b8-l128", "l1024", "causal-l2048", "d128-l2048", "mha-e768")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def attnx_output(shape: compare.Shape, data: dict, precision: str | None) -> np.ndarray:
@@ -106,13 +95,13 @@ def measure(names: list[str], seeds: int, threads: int) -> dict:
                 best[0], best[1] = max(best[0], high), max(best[1], mean)
         rows.append({"shape": shape.label, "name": name, "openvino_precision": ov_precision,
                      "errors": {lib: {"max": v[0], "mean": v[1]} for lib, v in worst.items()}})
-    return {"cpu": cpu_name(), "attnx": attnx.show_config(), "threads": threads, "seeds": seeds, "rows": rows}
+    return {"cpu": cpu_model(), "attnx": attnx.show_config(), "threads": threads, "seeds": seeds, "rows": rows}
 
 
 def table(report: dict) -> str:
     cfg = report["attnx"]
     lines = [
-        f"CPU: {report['cpu']}; attnx kernel {cfg['isa']} ({cfg.get('bf16_kernel', cfg['isa'])} for bfloat16), "
+        f"CPU: {report['cpu']}; attnx kernels {cfg['isa']}, {cfg['precisions']['bfloat16']} for bfloat16; "
         f"{report['threads']} threads, worst of {report['seeds']} seeds; max / mean abs error against float64.",
         "",
         "| case | attnx bfloat16 | OpenVINO (precision) | ratio of max errors | attnx float32 |",
