@@ -29,7 +29,8 @@ template <typename T>
 StridedView<const T, 4> build_keys(const StridedView<const T, 3>& input,
                                    const RowMajorView<const T>& w, const T* b, const T* bias_row,
                                    bool zero_row, const StridedView<const T, 4>& static_keys,
-                                   int64_t H, Buffer<T>& storage) {
+                                   int64_t H, Buffer<T>& storage, Precision precision,
+                                   const Bf16Weights* packed) {
   const int64_t N = input.shape[0], E = w.rows, hd = E / H;
   StridedView<const T, 4> view;
   if (static_keys.present()) {
@@ -56,7 +57,7 @@ StridedView<const T, 4> build_keys(const StridedView<const T, 3>& input,
   projected.data = storage.data();
   projected.shape[0] = N, projected.shape[1] = S, projected.shape[2] = E;
   projected.stride[0] = Sp * E, projected.stride[1] = E, projected.stride[2] = 1;
-  linear_forward(input, w, b, projected);
+  linear_forward(input, w, b, projected, Activation::kNone, precision, packed);
   for (int64_t n = 0; n < N; ++n) {
     T* extra = storage.data() + (n * Sp + S) * E;
     if (bias_row) std::copy_n(bias_row, E, extra), extra += E;
@@ -109,11 +110,11 @@ void mha_forward(const MhaArgs<T>& a) {
   Buffer<T> q_storage, k_storage, v_storage;
   StridedView<const T, 4> queries, keys, values;
   const bool stacked = stacked_self_projection(a);
-  if (stacked && self_attention_few_rows(a)) return;
+  if (stacked && a.precision == Precision::kNative && self_attention_few_rows(a)) return;
   if (stacked) {
     // (N, L, 3E): q, k and v side by side in each row.
     q_storage = Buffer<T>(size_t(N * L * 3 * E));
-    mha::project_self<T>(a, a.query, q_storage.data());
+    mha::project_self<T>(a, a.query, q_storage.data(), a.precision);
     queries = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 0);
     keys = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, E);
     values = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 2 * E);
@@ -123,11 +124,12 @@ void mha_forward(const MhaArgs<T>& a) {
     q_proj.data = q_storage.data();
     q_proj.shape[0] = N, q_proj.shape[1] = L, q_proj.shape[2] = E;
     q_proj.stride[0] = L * E, q_proj.stride[1] = E, q_proj.stride[2] = 1;
-    linear_forward(a.query, a.w_q, a.b_q, q_proj);
+    linear_forward(a.query, a.w_q, a.b_q, q_proj, Activation::kNone, a.precision, a.bf16_q);
     queries = heads_view<const T>(q_storage.data(), N, L, E, H);
-    keys = build_keys(a.key, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage);
-    values =
-        build_keys(a.value, a.w_v, a.b_v, a.bias_v, a.add_zero_attn, a.static_v, H, v_storage);
+    keys = build_keys(a.key, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage,
+                      a.precision, a.bf16_k);
+    values = build_keys(a.value, a.w_v, a.b_v, a.bias_v, a.add_zero_attn, a.static_v, H,
+                        v_storage, a.precision, a.bf16_v);
   }
   const int64_t S_src = a.static_k.present() ? a.static_k.shape[2] : a.key.shape[1];
   const int64_t Sp = keys.shape[2];
@@ -145,6 +147,7 @@ void mha_forward(const MhaArgs<T>& a) {
   sdpa.range.bottom_right = a.bottom_right;
   sdpa.scale = T(1) / std::sqrt(T(hd));
   sdpa.out = heads_view<T>(attn_storage.data(), N, L, E, H);
+  sdpa.precision = a.precision;
   if (a.weights) {
     if (a.average_weights) {
       per_head_weights = Buffer<T>(size_t(N * H * L * Sp));
@@ -174,7 +177,8 @@ void mha_forward(const MhaArgs<T>& a) {
   attn.data = attn_storage.data();
   attn.shape[0] = N, attn.shape[1] = L, attn.shape[2] = E;
   attn.stride[0] = L * E, attn.stride[1] = E, attn.stride[2] = 1;
-  linear_forward(as_const(attn), a.w_out, a.b_out, a.out);
+  linear_forward(as_const(attn), a.w_out, a.b_out, a.out, Activation::kNone, a.precision,
+                 a.bf16_out);
 }
 
 template void mha_forward<float>(const MhaArgs<float>&);

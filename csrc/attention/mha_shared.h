@@ -52,9 +52,10 @@ StridedView<U, 4> heads_view(U* data, int64_t N, int64_t L, int64_t E, int64_t H
 // each row: one product where the weights are stacked as torch's
 // in_proj_weight (the same sums as three), else three.
 template <typename T>
-void project_self(const MhaParams<T>& p, const StridedView<const T, 3>& x, T* qkv) {
+void project_self(const MhaParams<T>& p, const StridedView<const T, 3>& x, T* qkv,
+                  Precision precision = Precision::kNative) {
   const int64_t N = x.shape[0], L = x.shape[1], E = p.w_q.rows;
-  if (p.stacked()) {
+  if (p.stacked() && precision == Precision::kNative) {
     RowMajorView<const T> w_qkv = p.w_q;
     w_qkv.rows = 3 * E;
     linear_forward(x, w_qkv, p.b_q, rows_view(qkv, N, L, 3 * E));
@@ -62,10 +63,11 @@ void project_self(const MhaParams<T>& p, const StridedView<const T, 3>& x, T* qk
   }
   const RowMajorView<const T>* weights[3] = {&p.w_q, &p.w_k, &p.w_v};
   const T* biases[3] = {p.b_q, p.b_k, p.b_v};
+  const Bf16Weights* packed[3] = {p.bf16_q, p.bf16_k, p.bf16_v};
   for (int i = 0; i < 3; ++i) {
     StridedView<T, 3> y = rows_view(qkv + i * E, N, L, E);
     y.stride[0] = L * 3 * E, y.stride[1] = 3 * E;
-    linear_forward(x, *weights[i], biases[i], y);
+    linear_forward(x, *weights[i], biases[i], y, Activation::kNone, precision, packed[i]);
   }
 }
 

@@ -131,6 +131,7 @@ void attend(const MhaStepArgs<T>& a, const T* qkv, const int64_t* key_lengths,
   s.range.query_lengths = query_lengths;
   s.scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(hd)));
   s.out = step_heads<A>(out_rows, B, Tn, H, hd, E, 0, a.batch_first);
+  if constexpr (std::is_same_v<A, float>) s.precision = a.precision;
   sdpa_forward(s);
   if constexpr (!std::is_same_v<T, A>)
     for (int64_t x = 0; x < N * E; ++x) attn[x] = static_cast<T>(out_rows[x]);
@@ -151,7 +152,7 @@ void mha_step(const MhaStepArgs<T>& a) {
   rows.shape[0] = 1, rows.shape[1] = N, rows.shape[2] = E;
   rows.stride[0] = 0, rows.stride[1] = a.rows.row_stride, rows.stride[2] = 1;
   rows.data = a.rows.data;
-  mha::project_self(p, rows, qkv.data());
+  mha::project_self(p, rows, qkv.data(), a.precision);
 
   // 2. The new keys and values after each sequence's length. The lengths
   // themselves change only at the end.
@@ -184,7 +185,8 @@ void mha_step(const MhaStepArgs<T>& a) {
   // 4. Project out.
   injected_fault(StepStage::kOutputProjection);
   StridedView<T, 3> out = mha::rows_view(a.out, 1, N, E_out);
-  linear_forward(mha::as_const(mha::rows_view(attn.data(), 1, N, E)), p.w_out, p.b_out, out);
+  linear_forward(mha::as_const(mha::rows_view(attn.data(), 1, N, E)), p.w_out, p.b_out, out,
+                 Activation::kNone, a.precision, p.bf16_out);
   std::copy(key_lengths.begin(), key_lengths.end(), a.cache.lengths);
 }
 

@@ -14,10 +14,12 @@
 // streams it while broadcasting x. Every output value is accumulated over
 // `in` in the same order whatever the thread count.
 #include <algorithm>
+#include <type_traits>
 
 #include "attention/cache_line_array.h"
 #include "attention/projection.h"
 #include "dispatch/parallel.h"
+#include "kernels/bf16_table.h"
 #include "kernels/kernel_table.h"
 
 namespace attnx {
@@ -117,7 +119,82 @@ RowSequence row_sequence(const StridedView<const T, 3>& x, const StridedView<T, 
   return RowSequence{N, L, x.stride[1], y.stride[1]};
 }
 
+// y = act(x . w^T + bias) with bfloat16 products: x's rows rounded into
+// rows of pairs, w packed (or `packed`), then the tiles of the bfloat16
+// table's gemm over blocks of rows and panels, as the float32 form's.
+void linear_bf16(const StridedView<const float, 3>& x, const RowMajorView<const float>& w,
+                 const float* bias, const StridedView<float, 3>& y, Activation act,
+                 const Bf16Weights* packed) {
+  const KernelTable<float>& kt = active_kernels(float());
+  const Bf16KernelTable& kt16 = active_bf16_kernels();
+  Bf16Weights own;
+  if (!packed) own = pack_bf16_weights(w), packed = &own;
+  const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], out = w.rows;
+  const int64_t rows = N * L, pairs = packed->pairs, width = packed->width;
+  const int nthreads = threads_for(double(rows) * double(in) * double(out));
+
+  // x's rows as pairs, zero past `in`.
+  const CacheLineArray<uint32_t> x_pairs = cache_line_array<uint32_t>(size_t(rows * pairs));
+  parallel_for(rows, threads_for(kTransposeWork * double(rows) * double(in)), Schedule::kStatic,
+               [&](int64_t r) {
+                 uint16_t* dst = reinterpret_cast<uint16_t*>(x_pairs.get() + r * pairs);
+                 kt16.round(x.at(r / L, r % L), in, dst);
+                 if (in % 2) dst[in] = 0;
+               });
+
+  // y's rows as runs evenly spaced (see RowSequence): x's pairs are.
+  const int64_t ys = even_row_spacing(y);
+  const RowSequence rows_of = ys >= 0 && !y.batch_offsets
+                                  ? RowSequence{1, rows, pairs, ys}
+                                  : RowSequence{N, L, pairs, y.stride[1]};
+  const int64_t panels = (out + width - 1) / width;
+  const int64_t k_block = std::min(
+      pairs,
+      std::max<int64_t>(kMinKBlock / 2, kPanelBlockBytes / int64_t(width * 4) / 8 * 8));
+  const EvenBlocks blocks(rows_of.count, kManyRowBlock, rows_of.sequences == 1 ? nthreads : 1);
+  const int64_t row_blocks = blocks.blocks;
+  parallel_for(rows_of.sequences * row_blocks * panels, nthreads, Schedule::kBalanced,
+               [&](int64_t t) {
+                 const int64_t p = t % panels, sb = t / panels;
+                 const int64_t sequence = sb / row_blocks, block = sb % row_blocks;
+                 const int64_t r0 = blocks.begin(block), n = blocks.begin(block + 1) - r0;
+                 if (n <= 0) return;
+                 const int64_t cols = std::min(width, out - p * width);
+                 const uint32_t* x_rows = x_pairs.get() + (sequence * rows_of.count + r0) * pairs;
+                 float* y_tile = rows_of.row(y, sequence, r0) + p * width;
+                 for (int64_t k0 = 0; k0 < pairs; k0 += k_block) {
+                   const GemmInit init = k0 > 0 ? GemmInit::kAddSum
+                                         : bias ? GemmInit::kBiasColumns
+                                                : GemmInit::kZero;
+                   kt16.gemm(n, cols, std::min(k_block, pairs - k0), x_rows + k0, pairs, 1,
+                             packed->panel(p) + k0 * width, width, y_tile, rows_of.y_spacing,
+                             init, bias ? bias + p * width : nullptr);
+                 }
+                 if (act != Activation::kNone)
+                   kt.activate(y_tile, n, rows_of.y_spacing, cols, act);
+               });
+}
+
 }  // namespace
+
+Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w) {
+  const Bf16KernelTable& kt16 = active_bf16_kernels();
+  Bf16Weights packed;
+  packed.rows = w.rows, packed.cols = w.cols;
+  packed.width = kt16.panel_width;
+  packed.pairs = (w.cols + 1) / 2;
+  const int64_t panels = (w.rows + packed.width - 1) / packed.width;
+  packed.data = cache_line_array<uint32_t>(size_t(std::max<int64_t>(1, panels * packed.pairs * packed.width)));
+  parallel_for(panels, threads_for(double(w.rows) * double(w.cols) * 8), Schedule::kStatic,
+               [&](int64_t p) {
+                 uint32_t* dst = packed.data.get() + p * packed.pairs * packed.width;
+                 const int64_t cols = std::min(packed.width, w.rows - p * packed.width);
+                 if (cols < packed.width) std::fill_n(dst, packed.pairs * packed.width, 0u);
+                 kt16.pack_pairs(w.row(p * packed.width), 1, w.row_stride, w.cols, cols, 1.0f,
+                                 dst, packed.width);
+               });
+  return packed;
+}
 
 template <typename T>
 bool linear_copies_input(int64_t rows) {
@@ -210,9 +287,13 @@ void transpose_output(const T* yt, int64_t lanes, const StridedView<T, 3>& y) {
 
 template <typename T>
 void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T>& w,
-                    const T* bias, const StridedView<T, 3>& y, Activation act) {
+                    const T* bias, const StridedView<T, 3>& y, Activation act,
+                    Precision precision, const Bf16Weights* packed) {
   const int64_t N = x.shape[0], L = x.shape[1], in = x.shape[2], out = w.rows;
   if (N == 0 || L == 0 || out == 0) return;
+  if constexpr (std::is_same_v<T, float>) {
+    if (precision == Precision::kBFloat16) return linear_bf16(x, w, bias, y, act, packed);
+  }
   const KernelTable<T>& kt = active_kernels(T());
   if (N * L <= kDotRowsMax) {
     // A few rows: dot products with the rows of w, read where they lie
@@ -257,11 +338,11 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   // W x W transposes in registers.
   const int64_t wide = kt.wide_panel_width;
   const int64_t panels = (out + wide - 1) / wide;
-  const CacheLineArray<T> packed = cache_line_array<T>(size_t(panels * in * wide));
+  const CacheLineArray<T> panels_of_w = cache_line_array<T>(size_t(panels * in * wide));
   parallel_for(panels, threads_for(double(in) * double(out) * 8), Schedule::kStatic,
                [&](int64_t p) {
                  kt.pack_transposed(w.row(p * wide), w.row_stride, std::min(wide, out - p * wide),
-                                    in, T(1), packed.get() + p * in * wide, wide);
+                                    in, T(1), panels_of_w.get() + p * in * wide, wide);
                });
 
   // The sum over `in` goes in blocks of k_block rows of a panel (about
@@ -290,7 +371,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     const int64_t r0 = block_start(block), rows = block_start(block + 1) - r0;
     if (rows <= 0) return;
     const int64_t cols = std::min(wide, out - p * wide);
-    const T* panel = packed.get() + p * in * wide;
+    const T* panel = panels_of_w.get() + p * in * wide;
     const T* x_rows = rows_of.row(x, sequence, r0);
     T* y_tile = rows_of.row(y, sequence, r0) + p * wide;
     for (int64_t k0 = 0; k0 < in; k0 += k_block) {
@@ -321,9 +402,11 @@ template void transpose_output<float>(const float*, int64_t, const StridedView<f
 template void transpose_output<double>(const double*, int64_t, const StridedView<double, 3>&);
 template void linear_forward<float>(const StridedView<const float, 3>&,
                                     const RowMajorView<const float>&, const float*,
-                                    const StridedView<float, 3>&, Activation);
+                                    const StridedView<float, 3>&, Activation, Precision,
+                                    const Bf16Weights*);
 template void linear_forward<double>(const StridedView<const double, 3>&,
                                      const RowMajorView<const double>&, const double*,
-                                     const StridedView<double, 3>&, Activation);
+                                     const StridedView<double, 3>&, Activation, Precision,
+                                     const Bf16Weights*);
 
 }  // namespace attnx

@@ -2,19 +2,42 @@
 // y = act(x . w^T + bias), row by row.
 #pragma once
 
+#include <cstdint>
+
+#include "attention/cache_line_array.h"
 #include "attnx/activation.h"
+#include "attnx/precision.h"
 #include "attnx/strided_view.h"
 
 namespace attnx {
+
+// A weight matrix w (rows x cols) packed for bfloat16 products: w^T rounded
+// and laid out as pairs along cols, in panels of the bfloat16 table's panel
+// width (zero past the last row of w).
+struct Bf16Weights {
+  CacheLineArray<uint32_t> data;
+  int64_t rows = 0, cols = 0;
+  int64_t width = 0;  // columns of w^T per panel
+  int64_t pairs = 0;  // (cols + 1) / 2: rows of a panel
+
+  const uint32_t* panel(int64_t p) const { return data.get() + p * pairs * width; }
+};
+
+Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w);
 
 // y[n, l, :] = act(w . x[n, l, :] + bias) for every (n, l).
 // x: (N, L, in) and y: (N, L, out), last dims contiguous; w: (out, in);
 // bias: (out) or null. The activation is applied to each block of y as soon
 // as its sums are complete, while it is still in cache.
+// With Precision::kBFloat16 (T = float), x and w are rounded to bfloat16
+// and the sums are float32; `packed`, where given, is w packed by
+// pack_bf16_weights (else w is packed by the call).
 template <typename T>
 void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T>& w,
                     const T* bias, const StridedView<T, 3>& y,
-                    Activation act = Activation::kNone);
+                    Activation act = Activation::kNone,
+                    Precision precision = Precision::kNative,
+                    const Bf16Weights* packed = nullptr);
 
 // Whether linear_forward of `rows` rows (N * L) reads x's rows in place (up
 // to kDotRowsMax rows) or copies them, transposed, rather than packing w:

@@ -2,7 +2,11 @@
 // call, the kernels, the plan, and what the driver prepared for the paths.
 #pragma once
 
+#include <cstdint>
+#include <type_traits>
+
 #include "attention/masking/mask_blocks.h"
+#include "attention/sdpa_bf16.h"
 #include "attention/sdpa_common.h"
 #include "attention/sdpa_plan.h"
 #include "attnx/attention.h"
@@ -18,6 +22,18 @@ struct SdpaContext {
   const FiniteRows& finite_values;     // taken where plan.finite_values
   const MaskBlockMap<T>& mask_blocks;  // built where plan.mask_blocks
   T* states;                           // plan.states_size: the rows' states per key chunk
+  // With bfloat16 products: the rounded operands (args are then a16), else null.
+  const Bf16Operands* bf16 = nullptr;
 };
+
+// With bfloat16 products, x[0..n) rounded to bfloat16 values in place: the
+// operands a path multiplies (the probabilities, or rows of values it reads
+// as float32). Else nothing.
+template <typename T>
+void round_operands(const SdpaContext<T>& c, T* x, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (c.bf16) c.bf16->kt16->round_in_place(x, n);
+  }
+}
 
 }  // namespace attnx::sdpa

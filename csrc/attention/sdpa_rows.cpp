@@ -95,6 +95,7 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
       const T shift = exp_shift(m_new);
       const T alpha = std::exp(m[r] - shift);
       const T block_sum = kt.exp_shift_sum(s, n, shift);
+      round_operands(c, s, n);
       // (3) update
       T* acc_r = acc_rows[r];
       if (alpha != T(1)) kt.scale(acc_r, Ev, alpha, acc_r);
@@ -196,6 +197,7 @@ void rows_with_weights(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0
     const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
     std::fill(o, o + Ev, T(0));
     if (!row_probabilities(kt, p, S_read, states.any_open)) continue;  // fully masked row
+    round_operands(c, p, S_read);
     for (int64_t j0 = 0; j0 < S_read; j0 += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, S_read - j0);
       int64_t ldv;

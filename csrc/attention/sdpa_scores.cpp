@@ -6,9 +6,11 @@
 // kernels, a block of keys at a time for a few rows together, then the soft
 // cap, the masks and the softmax a whole row at a time.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "attention/masking/masking.h"
+#include "attention/sdpa_bf16.h"
 #include "attention/sdpa_common.h"
 #include "attention/sdpa_rows.h"
 #include "attnx/attention.h"
@@ -31,6 +33,16 @@ void sdpa_scores(const SdpaArgs<T>& a, ScoreStage stage, T* scores) {
   const int64_t E = a.query.shape[3], Hk = a.key.shape(1), S = a.key.shape(2);
   if (B == 0 || Hq == 0 || L == 0 || S == 0) return;
   const KernelTable<T>& kt = active_kernels(T());
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.precision == Precision::kBFloat16) {
+      // The scores of the rounded operands, as the row paths compute them.
+      Bf16Operands ops;
+      SdpaArgs<T> a16;
+      prepare_bf16(a, kt, false, ops, a16);
+      a16.precision = Precision::kNative;
+      return sdpa_scores(a16, stage, scores);
+    }
+  }
   const int64_t row_groups = (L + kScoreRows - 1) / kScoreRows;
   const int nthreads = threads_for(double(B * Hq * L) * double(S) * double(E + 4));
   // Widened 16-bit keys, a block per thread; allocated here, so that a

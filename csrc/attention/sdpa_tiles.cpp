@@ -14,6 +14,7 @@
 // reductions), and both products read K and V rows in place, unpacked.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -153,8 +154,20 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   // rest of the query_tile lanes idle).
   t.lanes = static_cast<int>((rows + kt.vector_width - 1) / kt.vector_width) * kt.vector_width;
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
+  // With bfloat16 products, as pairs along the head dim (the queries are
+  // rounded and scaled already), in the same buffer.
   prefetch_rows(a.query.at(b, h, i0), a.query.stride[2], rows, E * int64_t(sizeof(T)));
-  kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.query_scale(), t.q_t, qt);
+  if constexpr (std::is_same_v<T, float>) {
+    if (c.bf16) {
+      uint32_t* q_pairs = reinterpret_cast<uint32_t*>(t.q_t);
+      std::fill_n(q_pairs, (E + 1) / 2 * qt, uint32_t(0));
+      c.bf16->kt16->pack_pairs(a.query.at(b, h, i0), 1, a.query.stride[2], E, rows, 1.0f, q_pairs,
+                               qt);
+    }
+  }
+  if (!c.bf16)
+    kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.query_scale(), t.q_t,
+                       qt);
   std::fill(t.m, t.m + qt, kNegInf<T>);
   t.have_total = false;
 
@@ -172,6 +185,73 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   return true;
 }
 
+// The scores of keys [start, start + n) with bfloat16 products: the keys'
+// pairs times the tile's query pairs (packed by begin_flash_tile).
+template <typename T>
+void bf16_scores(const SdpaContext<T>& c, const FlashTile<T>& t, int64_t kv_head, int64_t start,
+                 int64_t n, T* st) {
+  if constexpr (std::is_same_v<T, float>) {
+    const int qt = c.kt.query_tile;
+    const int64_t E = c.args.query.shape[3];
+    c.bf16->kt16->gemm(n, t.lanes, (E + 1) / 2, c.bf16->key_pairs(c.args, t.b, kv_head, start),
+                       c.bf16->ldk, 1, reinterpret_cast<const uint32_t*>(t.q_t), qt, st, qt,
+                       GemmInit::kZero, nullptr);
+  }
+}
+
+// P.V of keys [start, start + n) with bfloat16 products: the probabilities
+// (st, keys x lanes) packed as pairs of keys into `scratch` and multiplied
+// with the call's value pairs into the chunk's accumulator (written by the
+// first block, else rescaled by alpha). A pair reaches one key past each end
+// of the block where it starts or ends between two keys; that key's
+// probability is 0, which adds nothing unless its value is not finite
+// (0 * NaN). False where that, or a closed key's value that is not finite,
+// asks for the row by row form: nothing is then done.
+template <typename T>
+bool bf16_values(const SdpaContext<T>& c, const FlashTile<T>& t, int64_t kv_head, int64_t start,
+                 int64_t n, bool any_closed, bool first_block, const T* alpha, T* st, T* scratch,
+                 T* v_buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    const SdpaArgs<float>& a = c.args;
+    const KernelTable<float>& kt = c.kt;
+    const int qt = kt.query_tile;
+    const int64_t Ev = a.value.shape(3), S = a.value.shape(2);
+    const RowReader<float> values = row_reader(a.value, kt, t.b, kv_head);
+    const auto finite = [&](int64_t j0, int64_t count) {
+      return c.finite_values.all(t.b, kv_head, j0, count, [&] {
+        int64_t ld;
+        const float* rows = values.rows(j0, count, v_buf, ld);
+        return rows_finite(kt, rows, ld, count, Ev);
+      });
+    };
+    const int64_t lead = start % 2, keys = lead + n;
+    const bool tail = keys % 2 == 1 && start + n < S;
+    if (any_closed && !finite(start, n)) return false;
+    if ((lead && !finite(start - 1, 1)) || (tail && !finite(start + n, 1))) return false;
+    if (lead) std::fill_n(st - qt, qt, 0.0f);  // the key before: probability 0
+    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(scratch);
+    const Bf16KernelTable& kt16 = *c.bf16->kt16;
+    kt16.pack_pairs(st - lead * qt, qt, 1, keys, t.rows, 1.0f, p_pairs, qt);
+    kt16.gemm(t.rows, Ev, (keys + 1) / 2, p_pairs, 1, qt,
+              c.bf16->value_pairs(t.b, kv_head, (start - lead) / 2, Ev), Ev, t.o, Ev,
+              first_block ? GemmInit::kZero : GemmInit::kScaleRows, alpha);
+    return true;
+  } else {
+    return false;
+  }
+}
+
+// A block's value rows (n x Ev, ld apart) rounded to bfloat16 values into
+// buf (rows Ev apart): the row by row form's operands.
+template <typename T>
+const T* bf16_rounded_rows(const SdpaContext<T>& c, const T* v, int64_t ld, int64_t n,
+                           int64_t Ev, T* buf) {
+  for (int64_t j = 0; j < n; ++j)
+    if (v + j * ld != buf + j * Ev) std::copy_n(v + j * ld, Ev, buf + j * Ev);
+  round_operands(c, buf, n * Ev);
+  return buf;
+}
+
 // The tile's keys in the chunk [c0, c1): its blocks added into the chunk's
 // accumulator, which is then merged into the total.
 template <typename T>
@@ -187,7 +267,7 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
   const int64_t b = t.b, h = t.h, i0 = t.i0, rows = t.rows;
   const int64_t S = a.key.shape(2);
   const int64_t kv_head = h / (a.query.shape[1] / a.key.shape(1));
-  T* st = scratch;                  // key_block x qt
+  T* st = scratch + qt;             // key_block x qt, after a row for bf16_values
   T* alpha = st + key_block * qt;   // qt
   T* m_start = alpha + qt;          // qt: the running max when the chunk began
   T* p_row = m_start + qt;          // key_block
@@ -216,8 +296,9 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     if (mask_block == MaskBlock::kClosed) continue;
     // (1) scores
     int64_t ldk, ldv;
-    const T* kb = keys.rows(start, n, k_buf, ldk);
-    if (ask_ahead) {
+    if (c.bf16) {
+      bf16_scores(c, t, kv_head, start, n, st);
+    } else if (const T* kb = keys.rows(start, n, k_buf, ldk); ask_ahead) {
       LineRange value_lines = stored_row_lines(a.value, b, kv_head, start, n);
       const int64_t pieces = (n + kAheadKeysPerPiece - 1) / kAheadKeysPerPiece;
       for (int64_t j = 0; j < n; j += kAheadKeysPerPiece) {
@@ -242,10 +323,16 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     // carry a NaN in its value into this row: where keys were closed and
     // the values are not all finite, accumulate row by row, key by key
     // (see accumulate_values).
+    if (c.bf16 && bf16_values(c, t, kv_head, start, n, any_closed, first_block, alpha, st,
+                              mask_scratch, v_buf)) {
+      first_block = false;
+      continue;
+    }
     const T* vb = values.rows(start, n, v_buf, ldv);
-    if (!any_closed || finite_values.all(b, kv_head, start, n, [&] {
-          return rows_finite(kt, vb, ldv, n, Ev);
-        })) {
+    if (c.bf16) vb = bf16_rounded_rows(c, vb, ldv, n, Ev, v_buf), ldv = Ev;
+    if (!c.bf16 && (!any_closed || finite_values.all(b, kv_head, start, n, [&] {
+                      return rows_finite(kt, vb, ldv, n, Ev);
+                    }))) {
       const GemmInit init = first_block ? GemmInit::kZero : GemmInit::kScaleRows;
       if (ask_ahead && start + n < S) {
         LineRange key_lines =
@@ -264,6 +351,7 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
       for (int64_t r = 0; r < rows; ++r) {
         kt.scale(o + r * Ev, Ev, alpha[r], o + r * Ev);
         for (int64_t j = 0; j < n; ++j) p_row[j] = st[j * qt + r];
+        round_operands(c, p_row, n);
         accumulate_values(a, kt, b, h, i0 + r, start, n, true, p_row, vb, ldv, Ev, o + r * Ev,
                           false);
       }

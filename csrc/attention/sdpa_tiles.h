@@ -68,7 +68,8 @@ size_t flash_tile_buffers_size(int qt, int64_t E, int64_t Ev) {
 
 template <typename T>
 size_t flash_visit_scratch_size(int qt, int64_t E, int64_t Ev, int64_t key_block) {
-  return size_t(key_block * qt + 2 * qt + key_block + key_block * (E + Ev) + 2 * key_block * qt);
+  return size_t(qt + key_block * qt + 2 * qt + key_block + key_block * (E + Ev) +
+                2 * key_block * qt);
 }
 
 // The values of one (b, key head), copied by a thread into rows that start

@@ -84,6 +84,7 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
     }
     const T sum = kt.exp_shift_sum(pr, S_end, exp_shift(kt.row_max(pr, S_end)));
     kt.scale(pr, S_end, T(1) / sum, pr);
+    round_operands(c, pr, S_end);
     closed_weight[r] = T(0) / sum;
   }
   const int64_t closed_end = std::clamp<int64_t>(key_length(a, b), S_end, S);

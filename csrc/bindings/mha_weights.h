@@ -7,11 +7,15 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 
+#include "attention/projection.h"
 #include "attnx/attention.h"
 #include "bindings/array_views.h"
+#include "bindings/precision_option.h"
 
 namespace attnx::bindings {
 
@@ -24,6 +28,14 @@ inline py::array own_view(const py::handle& h, const char* name) {
                          std::string(py::str(py::type::handle_of(h).attr("__name__"))));
   return py::reinterpret_borrow<py::array>(h).attr("view")();
 }
+// A matrix packed for bfloat16 products on first use and kept (see
+// MhaWeights::params).
+inline const Bf16Weights* packed_once(std::shared_ptr<const Bf16Weights>& packed,
+                                      const RowMajorView<const float>& w) {
+  if (!packed) packed = std::make_shared<const Bf16Weights>(pack_bf16_weights(w));
+  return packed.get();
+}
+
 // own_view, or nothing for None.
 inline OptArray optional_own_view(const py::handle& h, const char* name) {
   return h.is_none() ? OptArray() : OptArray(own_view(h, name));
@@ -80,9 +92,22 @@ class MhaWeights {
   bool bias_kv() const { return bool(bias_kv_[0]); }
   bool add_zero_attn() const { return add_zero_attn_; }
 
+  // The parameters, for products of `precision`. Those of bfloat16 read the
+  // weights as packed by the first call that asked for them, and kept: a
+  // value written into a weight array in place afterwards is not seen by
+  // them (a new MhaWeights is made when a parameter is assigned or loaded).
+  // Called with the GIL held, so that one thread packs.
   template <typename T>
-  MhaParams<T> params() const {
+  MhaParams<T> params(Precision precision = Precision::kNative) const {
     MhaParams<T> p;
+    if constexpr (std::is_same_v<T, float>) {
+      if (precision == Precision::kBFloat16) {
+        p.bf16_q = packed_once(bf16_[0], matrix(0, T()));
+        p.bf16_k = packed_once(bf16_[1], matrix(1, T()));
+        p.bf16_v = packed_once(bf16_[2], matrix(2, T()));
+        p.bf16_out = packed_once(bf16_[3], matrix(3, T()));
+      }
+    }
     p.num_heads = num_heads_;
     p.w_q = matrix(0, T()), p.w_k = matrix(1, T()), p.w_v = matrix(2, T());
     p.w_out = matrix(3, T());
@@ -137,6 +162,7 @@ class MhaWeights {
   OptArray b_[4];   // b_q, b_k, b_v, b_out
   OptArray bias_kv_[2];
   int64_t row_stride_[4] = {};
+  mutable std::shared_ptr<const Bf16Weights> bf16_[4];  // w_q, w_k, w_v, w_out, packed
   bool add_zero_attn_;
   py::dtype dtype_;
   bool is_double_ = false;

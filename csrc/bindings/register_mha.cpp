@@ -37,6 +37,7 @@ struct MhaOptions {
   bool need_weights = true;
   bool average_weights = true;
   bool batch_first = false;
+  int precision = 0;  // 0 native, 1 bfloat16
 };
 
 PyTypeObject* ndarray_type() {
@@ -79,6 +80,8 @@ py::tuple run_mha(MhaArgs<T>& a, const MhaWeights& w, const MhaOptions& o) {
   a.out.stride[2] = 1;
   a.causal = o.causal;
   a.bottom_right = o.bottom_right;
+  a.precision = checked_precision(o.precision, std::is_same_v<T, double>);
+  static_cast<MhaParams<T>&>(a) = w.params<T>(a.precision);
   py::object weights = py::none();
   if (o.need_weights) {
     const int64_t S_src = a.static_k.present() ? a.static_k.shape[2] : a.key.shape[1];
@@ -187,7 +190,8 @@ template <typename T>
 py::array mha_step_typed(const MhaWeights& w, const py::array& rows, const py::object& cache,
                          const OptArray& lengths, const MhaOptions& o) {
   MhaStepArgs<T> a;
-  a.params = w.params<T>();
+  a.precision = checked_precision(o.precision, std::is_same_v<T, double>);
+  a.params = w.params<T>(a.precision);
   if (a.params.bias_k || a.params.add_zero_attn || w.kdim() != w.embed_dim() ||
       w.vdim() != w.embed_dim())
     throw py::value_error("mha_step: self-attention parameters only");
@@ -221,7 +225,9 @@ py::array mha_step_typed(const MhaWeights& w, const py::array& rows, const py::o
 
 // out = x . w^T + b.
 template <typename T>
-void linear_typed(const py::array& x, const py::array& w, const OptArray& b, py::array& out) {
+void linear_typed(const py::array& x, const py::array& w, const OptArray& b, py::array& out,
+                  int precision) {
+  const Precision p = checked_precision(precision, std::is_same_v<T, double>);
   StridedView<const T, 3> x3;
   const StridedView<const T, 2> x2 = const_view<T, 2>(x, "x");
   x3.data = x2.data;
@@ -241,7 +247,7 @@ void linear_typed(const py::array& x, const py::array& w, const OptArray& b, py:
   o3.stride[0] = 0, o3.stride[1] = o2.stride[0], o3.stride[2] = 1;
   if (x2.shape[0] == 0 || wv.rows == 0) return;
   py::gil_scoped_release release;
-  linear_forward(x3, wv, bias, o3);
+  linear_forward(x3, wv, bias, o3, Activation::kNone, p);
 }
 
 }  // namespace
@@ -277,16 +283,18 @@ void register_mha_testing(py::module_& testing) {
 void register_mha(py::module_& m) {
   py::class_<MhaOptions>(m, "MhaOptions", "The checked flags of a multi-head attention call.")
       .def(py::init([](bool causal, bool bottom_right, bool need_weights, bool average_weights,
-                       bool batch_first) {
-             return MhaOptions{causal, bottom_right, need_weights, average_weights, batch_first};
+                       bool batch_first, int precision) {
+             return MhaOptions{causal,          bottom_right, need_weights,
+                               average_weights, batch_first,  precision};
            }),
            py::arg("causal"), py::arg("bottom_right"), py::arg("need_weights"),
-           py::arg("average_weights"), py::arg("batch_first"))
+           py::arg("average_weights"), py::arg("batch_first"), py::arg("precision") = 0)
       .def_readonly("causal", &MhaOptions::causal)
       .def_readonly("bottom_right", &MhaOptions::bottom_right)
       .def_readonly("need_weights", &MhaOptions::need_weights)
       .def_readonly("average_weights", &MhaOptions::average_weights)
-      .def_readonly("batch_first", &MhaOptions::batch_first);
+      .def_readonly("batch_first", &MhaOptions::batch_first)
+      .def_readonly("precision", &MhaOptions::precision);
   py::class_<MhaWeights>(m, "MhaWeights",
                          "The parameters of multi-head attention, checked once.")
       .def(py::init<int64_t, const py::tuple&, const py::object&, const py::tuple&,
@@ -322,15 +330,16 @@ void register_mha(py::module_& m) {
       "order; returns the (B * T, E_out) output rows. The cache's lengths grow on success.");
   m.def(
       "linear",
-      [](const py::array& x, const py::array& w, const OptArray& b, py::array& out) {
+      [](const py::array& x, const py::array& w, const OptArray& b, py::array& out,
+         int precision) {
         if (is_dtype(x, py::dtype::of<float>()))
-          linear_typed<float>(x, w, b, out);
+          linear_typed<float>(x, w, b, out, precision);
         else if (is_dtype(x, py::dtype::of<double>()))
-          linear_typed<double>(x, w, b, out);
+          linear_typed<double>(x, w, b, out, precision);
         else
           throw py::type_error("x: expected float32 or float64");
       },
-      py::arg("x"), py::arg("w"), py::arg("b"), py::arg("out"),
+      py::arg("x"), py::arg("w"), py::arg("b"), py::arg("out"), py::arg("precision") = 0,
       "out = x . w^T + b for x (N, K), w (M, K), b (M,) or None, out (N, M).");
 }
 

@@ -25,6 +25,7 @@
 
 #include "attnx/attention.h"
 #include "bindings/array_views.h"
+#include "bindings/precision_option.h"
 
 namespace attnx::bindings {
 
@@ -44,6 +45,7 @@ struct SdpaOptions {
   bool enable_gqa = false;
   double softcap = 0;
   int scores = -1;
+  int precision = 0;  // 0 native, 1 bfloat16
 };
 
 // What some calls add: per-batch lengths for attention over a KV cache (keys
@@ -152,6 +154,7 @@ void apply_options(const SdpaOptions& o, int64_t S, SdpaArgs<T>& a) {
   a.range.window_right = window_extent(o.window_right, S + L);
   a.scale = static_cast<T>(scale);
   a.softcap = static_cast<T>(o.softcap);
+  a.precision = checked_precision(o.precision, std::is_same_v<T, double>);
 }
 
 template <typename T>
@@ -323,14 +326,16 @@ void register_sdpa(py::module_& m) {
   py::class_<SdpaOptions>(m, "SdpaOptions",
                           "The checked scalar arguments of an attention call.")
       .def(py::init([](bool causal, bool bottom_right, double scale, int64_t window_left,
-                       int64_t window_right, bool enable_gqa, double softcap, int scores) {
-             return SdpaOptions{causal,    bottom_right, scale,   window_left,
-                                window_right, enable_gqa, softcap, scores};
+                       int64_t window_right, bool enable_gqa, double softcap, int scores,
+                       int precision) {
+             return SdpaOptions{causal,       bottom_right, scale,   window_left,
+                                window_right, enable_gqa,   softcap, scores, precision};
            }),
            py::arg("causal") = false, py::arg("bottom_right") = false,
            py::arg("scale") = std::numeric_limits<double>::quiet_NaN(),
            py::arg("window_left") = -1, py::arg("window_right") = -1,
-           py::arg("enable_gqa") = false, py::arg("softcap") = 0.0, py::arg("scores") = -1)
+           py::arg("enable_gqa") = false, py::arg("softcap") = 0.0, py::arg("scores") = -1,
+           py::arg("precision") = 0)
       .def_readonly("causal", &SdpaOptions::causal)
       .def_readonly("bottom_right", &SdpaOptions::bottom_right)
       .def_readonly("scale", &SdpaOptions::scale)
@@ -338,7 +343,8 @@ void register_sdpa(py::module_& m) {
       .def_readonly("window_right", &SdpaOptions::window_right)
       .def_readonly("enable_gqa", &SdpaOptions::enable_gqa)
       .def_readonly("softcap", &SdpaOptions::softcap)
-      .def_readonly("scores", &SdpaOptions::scores);
+      .def_readonly("scores", &SdpaOptions::scores)
+      .def_readonly("precision", &SdpaOptions::precision);
   m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
         py::arg("options"), py::arg("out"),
         "Scaled dot-product attention: the arguments as the caller gave them, the options\n"

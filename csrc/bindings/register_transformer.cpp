@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "attnx/transformer.h"
@@ -94,11 +96,13 @@ class TransformerLayerWeights {
   bool custom_activation() const { return kind_ == Activation::kNone; }
   const py::object& activation() const { return activation_; }
 
+  // The parameters for products of `precision` (see MhaWeights::params:
+  // the feed-forward weights, too, are packed once for bfloat16).
   template <typename T>
-  TransformerLayerParams<T> params() const {
+  TransformerLayerParams<T> params(Precision precision) const {
     TransformerLayerParams<T> p;
-    p.self_attn = self_attn().params<T>();
-    if (decoder()) p.cross_attn = cross_attn_.cast<const MhaWeights&>().params<T>();
+    p.self_attn = self_attn().params<T>(precision);
+    if (decoder()) p.cross_attn = cross_attn_.cast<const MhaWeights&>().params<T>(precision);
     p.has_cross = decoder();
     p.ff.w1 = matrix_view<T>(w1_, "linear1.weight");
     p.ff.w2 = matrix_view<T>(w2_, "linear2.weight");
@@ -110,6 +114,12 @@ class TransformerLayerWeights {
       p.norms[i].eps = static_cast<T>(eps_[i]);
     }
     p.norm_first = norm_first_;
+    if constexpr (std::is_same_v<T, float>) {
+      if (precision == Precision::kBFloat16) {
+        p.bf16_w1 = packed_once(bf16_[0], p.ff.w1);
+        p.bf16_w2 = packed_once(bf16_[1], p.ff.w2);
+      }
+    }
     return p;
   }
 
@@ -145,6 +155,7 @@ class TransformerLayerWeights {
   bool norm_first_;
   py::object activation_;
   Activation kind_ = Activation::kRelu;
+  mutable std::shared_ptr<const Bf16Weights> bf16_[2];  // linear1, linear2, packed
 };
 
 // A 3-D array of T seen as (N, L, E): as it is with batch_first, else
@@ -185,9 +196,10 @@ py::array transformer_layer_typed(const TransformerLayerWeights& w, const py::ar
                                   const py::object& cross_masks, bool batch_first,
                                   bool self_causal, bool cross_causal,
                                   const py::object& final_norm, const py::object& cache,
-                                  const py::object& memory_kv) {
+                                  const py::object& memory_kv, int precision) {
   TransformerLayerArgs<T> a;
-  a.params = w.params<T>();
+  a.precision = checked_precision(precision, std::is_same_v<T, double>);
+  a.params = w.params<T>(a.precision);
   a.x = batch_view<T>(x, "x", batch_first);
   const int64_t N = a.x.shape[0], L = a.x.shape[1], E = w.d_model(), H = w.num_heads();
   if (a.x.shape[2] != E)
@@ -306,18 +318,19 @@ void register_transformer(py::module_& m) {
       [](const TransformerLayerWeights& w, const py::array& x, const py::object& memory,
          const py::object& self_masks, const py::object& cross_masks, bool batch_first,
          bool self_causal, bool cross_causal, const py::object& final_norm,
-         const py::object& cache, const py::object& memory_kv) -> py::array {
+         const py::object& cache, const py::object& memory_kv, int precision) -> py::array {
         return w.is_double()
                    ? transformer_layer_typed<double>(w, x, memory, self_masks, cross_masks,
                                                      batch_first, self_causal, cross_causal,
-                                                     final_norm, cache, memory_kv)
+                                                     final_norm, cache, memory_kv, precision)
                    : transformer_layer_typed<float>(w, x, memory, self_masks, cross_masks,
                                                     batch_first, self_causal, cross_causal,
-                                                    final_norm, cache, memory_kv);
+                                                    final_norm, cache, memory_kv, precision);
       },
       py::arg("weights"), py::arg("x"), py::arg("memory"), py::arg("self_masks"),
       py::arg("cross_masks"), py::arg("batch_first"), py::arg("self_causal"),
       py::arg("cross_causal"), py::arg("final_norm"), py::arg("cache"), py::arg("memory_kv"),
+      py::arg("precision") = 0,
       "One transformer layer: x (N, L, E), or (L, N, E) unless batch_first, in the weights'\n"
       "dtype; memory likewise for decoder layers; the masks of each block None or\n"
       "(attn_mask, key_padding_mask), each None or additive (N, H, L, S); final_norm None or\n"

@@ -65,6 +65,7 @@ void self_attention(const TransformerLayerArgs<T>& a, const StridedView<const T,
     s.batch = N, s.tokens = L, s.batch_first = true;
     s.cache = *a.self_cache;
     s.out = sub;
+    s.precision = a.precision;
     mha_step(s);
     return;
   }
@@ -74,6 +75,7 @@ void self_attention(const TransformerLayerArgs<T>& a, const StridedView<const T,
   for (int k = 0; k < kMaxMasks; ++k) m.masks[k] = a.self_masks.masks[k];
   m.causal = a.self_masks.causal;
   m.out = rows_view(sub, N, L, E);
+  m.precision = a.precision;
   mha_forward(m);
 }
 
@@ -91,6 +93,7 @@ void cross_attention(const TransformerLayerArgs<T>& a, const StridedView<const T
   for (int k = 0; k < kMaxMasks; ++k) m.masks[k] = a.cross_masks.masks[k];
   m.causal = a.cross_masks.causal;
   m.out = rows_view(sub, input.shape[0], input.shape[1], input.shape[2]);
+  m.precision = a.precision;
   mha_forward(m);
 }
 
@@ -100,9 +103,11 @@ void feed_forward(const TransformerLayerArgs<T>& a, const StridedView<const T, 3
   const FeedForwardParams<T>& ff = a.params.ff;
   const int64_t N = input.shape[0], L = input.shape[1], E = input.shape[2], F = ff.w1.rows;
   const StridedView<T, 3> h = rows_view(hidden, N, L, F);
-  linear_forward(input, ff.w1, ff.b1, h, a.activate ? Activation::kNone : ff.activation);
+  linear_forward(input, ff.w1, ff.b1, h, a.activate ? Activation::kNone : ff.activation,
+                 a.precision, a.params.bf16_w1);
   if (a.activate) a.activate(hidden, N * L, F);
-  linear_forward(as_const(h), ff.w2, ff.b2, rows_view(sub, N, L, E));
+  linear_forward(as_const(h), ff.w2, ff.b2, rows_view(sub, N, L, E), Activation::kNone,
+                 a.precision, a.params.bf16_w2);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "attnx/precision.h"
 #include "attnx/strided_view.h"
 
 namespace attnx {
@@ -81,8 +82,10 @@ struct SdpaArgs {
     return softcap > 0 ? static_cast<T>(double(scale) / double(softcap)) : scale;
   }
   StridedView<T, 4> out;  // (B, Hq, L, Ev), last dim contiguous
-  // Optional attention probabilities, C-contiguous (B, Hq, L, S).
+  // Optional attention probabilities, C-contiguous (B, Hq, L, S). With
+  // bfloat16 products they are the rounded probabilities P.V multiplied.
   T* weights = nullptr;
+  Precision precision = Precision::kNative;  // kBFloat16: T = float only
 };
 
 template <typename T>
@@ -102,6 +105,9 @@ enum class ScoreStage : uint8_t { kQk, kSoftcapped, kMasked, kSoftmax };
 template <typename T>
 void sdpa_scores(const SdpaArgs<T>& args, ScoreStage stage, T* scores);
 
+// A weight matrix packed for bfloat16 products (attention/projection.h).
+struct Bf16Weights;
+
 // The parameters of multi-head attention, as torch's module holds them.
 template <typename T>
 struct MhaParams {
@@ -115,6 +121,12 @@ struct MhaParams {
   bool add_zero_attn = false;  // append one all-zero key and value
   RowMajorView<const T> w_out;  // (E_out, E)
   const T* b_out = nullptr;     // (E_out)
+  // The weights packed for bfloat16 products, kept by the caller from one
+  // call to the next; null: packed by each call that needs them.
+  const Bf16Weights* bf16_q = nullptr;
+  const Bf16Weights* bf16_k = nullptr;
+  const Bf16Weights* bf16_v = nullptr;
+  const Bf16Weights* bf16_out = nullptr;
 
   // Whether w_q, w_k, w_v (and their biases, if any) lie stacked in memory
   // as the rows of torch's in_proj_weight (3E, E), so that one product
@@ -144,6 +156,7 @@ struct MhaArgs : MhaParams<T> {
   // Optional, C-contiguous: (N, L, S') averaged over heads or (N, H, L, S').
   T* weights = nullptr;
   bool average_weights = true;
+  Precision precision = Precision::kNative;  // kBFloat16: T = float only
 };
 
 template <typename T>
@@ -180,6 +193,7 @@ struct MhaStepArgs {
   const int64_t* new_lengths = nullptr;  // (B) valid new tokens, each in [0, T]; null: all T
   CacheArrays cache;  // heads = num_heads, head_dim = value_dim = E / num_heads
   T* out = nullptr;   // (B * T, E_out), C-contiguous, rows as `rows`
+  Precision precision = Precision::kNative;  // kBFloat16: T = float only
 };
 
 template <typename T>

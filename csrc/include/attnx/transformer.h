@@ -46,6 +46,8 @@ struct TransformerLayerParams {
   MhaParams<T> cross_attn;  // decoder layers: queries E, keys and values the memory's E
   bool has_cross = false;
   FeedForwardParams<T> ff;
+  const Bf16Weights* bf16_w1 = nullptr;  // ff.w1 and ff.w2 packed (see MhaParams)
+  const Bf16Weights* bf16_w2 = nullptr;
   LayerNormParams<T> norms[3];  // norm1, norm2 (, norm3 in decoder layers)
   bool norm_first = false;
 };
@@ -77,6 +79,7 @@ struct TransformerLayerArgs {
   // activated in place.
   std::function<void(T* hidden, int64_t rows, int64_t cols)> activate;
   StridedView<T, 3> out;  // (N, L, E), last dim contiguous; may not overlap x
+  Precision precision = Precision::kNative;  // of every product; kBFloat16: T = float only
 };
 
 template <typename T>

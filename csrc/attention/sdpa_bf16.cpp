@@ -1,0 +1,146 @@
+// The rounded operands of attention with bfloat16 products (see sdpa_bf16.h).
+#include "attention/sdpa_bf16.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "attention/sdpa_common.h"
+#include "dispatch/parallel.h"
+
+namespace attnx::sdpa {
+namespace {
+
+// Rows converted per task (even: whole pairs of keys).
+constexpr int64_t kConvertRows = 64;
+// An element converted costs about as much time as this many multiply-adds.
+constexpr double kConvertWork = 8;
+
+// The extent of axis d that holds distinct rows: 1 where broadcast.
+int64_t distinct_extent(const StoredView<float>& v, int d) {
+  const bool offsets = v.storage == Storage::kNative ? v.native.batch_offsets != nullptr
+                                                     : v.bits.batch_offsets != nullptr;
+  return v.stride(d) == 0 && !(d == 0 && offsets) ? 1 : v.shape(d);
+}
+
+// Runs body(b, h, j0, n, rows, ld) over blocks of the distinct (b, h) of v,
+// rows [j0, j0 + n) given as float32 (widened where v is 16-bit), in parallel.
+template <typename Body>
+void for_float_blocks(const StoredView<float>& v, const KernelTable<float>& kt,
+                      const Body& body) {
+  const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
+  const int64_t S = v.shape(2), D = v.shape(3);
+  const int64_t blocks = (S + kConvertRows - 1) / kConvertRows;
+  parallel_for(Bx * Hx * blocks, threads_for(kConvertWork * double(Bx * Hx * S * D)),
+               Schedule::kStatic, [&](int64_t t) {
+                 const int64_t bh = t / blocks, j0 = (t % blocks) * kConvertRows;
+                 const int64_t n = std::min(kConvertRows, S - j0);
+                 thread_local std::vector<float> buf;
+                 buf.resize(size_t(kConvertRows * D));
+                 const RowReader<float> reader = row_reader(v, kt, bh / Hx, bh % Hx);
+                 int64_t ld;
+                 const float* rows = reader.rows(j0, n, buf.data(), ld);
+                 body(bh, j0, n, rows, ld);
+               });
+}
+
+// v's rows rounded to bfloat16, in rows of ld >= D elements (zero past D),
+// as a (B', H', S, ld) copy (B', H': 1 where v is broadcast); `view` is set
+// to read it as v's shape.
+CacheLineArray<uint16_t> rounded_rows(const StoredView<float>& v, const KernelTable<float>& kt,
+                                      const Bf16KernelTable& kt16, int64_t ld,
+                                      StridedView<const uint16_t, 4>& view) {
+  const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
+  const int64_t S = v.shape(2), D = v.shape(3);
+  CacheLineArray<uint16_t> copy = cache_line_array<uint16_t>(size_t(std::max<int64_t>(1, Bx * Hx * S * ld)));
+  uint16_t* data = copy.get();
+  for_float_blocks(v, kt, [&](int64_t bh, int64_t j0, int64_t n, const float* rows, int64_t ldr) {
+    for (int64_t j = 0; j < n; ++j) {
+      uint16_t* dst = data + (bh * S + j0 + j) * ld;
+      kt16.round(rows + j * ldr, D, dst);
+      std::fill(dst + D, dst + ld, uint16_t(0));
+    }
+  });
+  view = StridedView<const uint16_t, 4>{};
+  view.data = data;
+  for (int d = 0; d < 4; ++d) view.shape[d] = v.shape(d);
+  view.stride[0] = Bx == 1 ? 0 : Hx * S * ld;
+  view.stride[1] = Hx == 1 ? 0 : S * ld;
+  view.stride[2] = ld;
+  view.stride[3] = 1;
+  return copy;
+}
+
+// Whether bfloat16 keys can be read in place as pairs: rows of an even
+// length, each starting on 4 bytes.
+bool pairs_in_place(const StoredView<float>& k) {
+  if (k.storage != Storage::kBFloat16 || k.bits.batch_offsets) return false;
+  const bool even = k.shape(3) % 2 == 0 && k.stride(0) % 2 == 0 && k.stride(1) % 2 == 0 &&
+                    k.stride(2) % 2 == 0;
+  return even && reinterpret_cast<uintptr_t>(k.bits.data) % 4 == 0;
+}
+
+StoredView<float> bits_view(const StridedView<const uint16_t, 4>& bits) {
+  StoredView<float> s;
+  s.bits = bits;
+  s.storage = Storage::kBFloat16;
+  return s;
+}
+
+}  // namespace
+
+void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool tile_path,
+                  Bf16Operands& ops, SdpaArgs<float>& a16) {
+  const Bf16KernelTable& kt16 = active_bf16_kernels();
+  ops.kt16 = &kt16;
+  a16 = a;
+  // Queries: round(query_scale * q), contiguous; the scale is then 1.
+  const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
+  const int64_t E = a.query.shape[3];
+  ops.queries = cache_line_array<float>(size_t(std::max<int64_t>(1, B * Hq * L * E)));
+  const float query_scale = a.query_scale();
+  parallel_for(B * Hq, threads_for(kConvertWork * double(B * Hq * L * E)), Schedule::kStatic,
+               [&](int64_t bh) {
+                 for (int64_t i = 0; i < L; ++i) {
+                   float* dst = ops.queries.get() + (bh * L + i) * E;
+                   kt.scale(a.query.at(bh / Hq, bh % Hq, i), E, query_scale, dst);
+                   kt16.round_in_place(dst, E);
+                 }
+               });
+  StridedView<const float, 4>& q = a16.query;
+  q.data = ops.queries.get();
+  q.batch_offsets = nullptr;
+  q.stride[0] = Hq * L * E, q.stride[1] = L * E, q.stride[2] = E, q.stride[3] = 1;
+  a16.scale = a.softcap > 0 ? a.softcap : 1.0f;  // query_scale() = 1
+
+  // Keys: bfloat16 rows of an even length.
+  if (!pairs_in_place(a.key)) {
+    StridedView<const uint16_t, 4> bits;
+    ops.keys = rounded_rows(a.key, kt, kt16, (E + 1) / 2 * 2, bits);
+    a16.key = bits_view(bits);
+  }
+  ops.ldk = a16.key.bits.stride[2] / 2;
+
+  // Values: pairs for the tile path (which reads the caller's values only
+  // where it falls back to rows), bfloat16 rows for the others.
+  if (!tile_path) {
+    if (a.value.storage != Storage::kBFloat16) {
+      StridedView<const uint16_t, 4> bits;
+      ops.values = rounded_rows(a.value, kt, kt16, a.value.shape(3), bits);
+      a16.value = bits_view(bits);
+    }
+    return;
+  }
+  const StoredView<float>& v = a.value;
+  const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
+  const int64_t S = v.shape(2), Ev = v.shape(3), S2 = (S + 1) / 2;
+  ops.pairs = cache_line_array<uint32_t>(size_t(std::max<int64_t>(1, Bx * Hx * S2 * Ev)));
+  ops.pairs_stride[0] = Bx == 1 ? 0 : Hx * S2 * Ev;
+  ops.pairs_stride[1] = Hx == 1 ? 0 : S2 * Ev;
+  uint32_t* pairs = ops.pairs.get();
+  for_float_blocks(v, kt, [&](int64_t bh, int64_t j0, int64_t n, const float* rows, int64_t ld) {
+    kt16.pack_pairs(rows, ld, 1, n, Ev, 1.0f, pairs + (bh * S2 + j0 / 2) * Ev, Ev);
+  });
+}
+
+}  // namespace attnx::sdpa

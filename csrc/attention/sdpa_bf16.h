@@ -1,0 +1,52 @@
+// The operands of scaled dot-product attention with bfloat16 products
+// (Precision::kBFloat16): each product's operands rounded to bfloat16 once
+// per call, before any path reads them.
+//
+//   queries   round(query_scale * q), float32 (the call's scale then 1)
+//   keys      bfloat16 rows with an even row stride: read in place where the
+//             caller's keys are such rows, else rounded into a copy; the tile
+//             path multiplies them as pairs along the head dim, the row paths
+//             widen them
+//   values    the tile path: pairs of consecutive keys' values (P.V sums
+//             over keys); the row paths: bfloat16 rows, as the keys
+//   P         rounded where each path multiplies it (the tile path packs it
+//             into pairs; the row paths round it in place)
+//
+// Broadcast batch or head axes stay broadcast in the copies.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/cache_line_array.h"
+#include "attnx/attention.h"
+#include "kernels/bf16_table.h"
+#include "kernels/kernel_table.h"
+
+namespace attnx::sdpa {
+
+struct Bf16Operands {
+  const Bf16KernelTable* kt16 = nullptr;
+  CacheLineArray<float> queries;
+  CacheLineArray<uint16_t> keys, values;  // copies where needed
+  // Value pairs (B', Hk', S2, Ev), S2 = ceil(S / 2): pair p of column d is
+  // the values of keys 2p and 2p + 1 (0 past the last key).
+  CacheLineArray<uint32_t> pairs;
+  int64_t pairs_stride[2] = {0, 0};  // of b and h (0 where broadcast)
+  int64_t ldk = 0;                   // key row stride in pairs
+
+  // Key rows from j of (b, kv head) as pairs, ldk pairs apart.
+  const uint32_t* key_pairs(const SdpaArgs<float>& a16, int64_t b, int64_t h, int64_t j) const {
+    return reinterpret_cast<const uint32_t*>(a16.key.bits.at(b, h, j));
+  }
+  // The pairs of keys from 2p of (b, kv head), Ev pairs a row.
+  const uint32_t* value_pairs(int64_t b, int64_t h, int64_t p, int64_t Ev) const {
+    return pairs.get() + b * pairs_stride[0] + h * pairs_stride[1] + p * Ev;
+  }
+};
+
+// Fills `ops` and `a16`: `a` with its query, keys and values replaced by the
+// rounded operands. `tile_path`: the values as pairs (else as bfloat16 rows).
+void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool tile_path,
+                  Bf16Operands& ops, SdpaArgs<float>& a16);
+
+}  // namespace attnx::sdpa
