@@ -59,7 +59,8 @@ def openvino_output(shape: compare.Shape, data: dict, threads: int) -> tuple[np.
     config = compare._openvino_config(threads)
     config.pop("INFERENCE_PRECISION_HINT")  # the plugin's default: what a user gets
     compiled = ov.Core().compile_model(compare._openvino_model(shape, data, ops, ov), "CPU", config)
-    precision = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    hint = compiled.get_property("INFERENCE_PRECISION_HINT")
+    precision = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)  # "bf16", "f32"
     names = ("q", "k", "v") if shape.kind == "sdpa" else ("x",)
     result = compiled([data[name] for name in names])
     return np.array(result[compiled.output(0)], dtype=np.float32, copy=True), precision
