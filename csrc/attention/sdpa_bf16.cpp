@@ -87,14 +87,10 @@ StoredView<float> bits_view(const StridedView<const uint16_t, 4>& bits) {
   return s;
 }
 
-}  // namespace
-
-void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool tile_path,
-                  Bf16Operands& ops, SdpaArgs<float>& a16) {
-  const Bf16KernelTable& kt16 = active_bf16_kernels();
-  ops.kt16 = &kt16;
-  a16 = a;
-  // Queries: round(query_scale * q), contiguous; the scale is then 1.
+// a16's queries: a copy of round(query_scale * q), contiguous, with a scale
+// of 1.
+void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
+                   const Bf16KernelTable& kt16, Bf16Operands& ops, SdpaArgs<float>& a16) {
   const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
   const int64_t E = a.query.shape[3];
   ops.queries = cache_line_array<float>(size_t(std::max<int64_t>(1, B * Hq * L * E)));
@@ -112,6 +108,19 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool t
   q.batch_offsets = nullptr;
   q.stride[0] = Hq * L * E, q.stride[1] = L * E, q.stride[2] = E, q.stride[3] = 1;
   a16.scale = a.softcap > 0 ? a.softcap : 1.0f;  // query_scale() = 1
+}
+
+}  // namespace
+
+void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool tile_path,
+                  Bf16Operands& ops, SdpaArgs<float>& a16) {
+  const Bf16KernelTable& kt16 = active_bf16_kernels();
+  ops.kt16 = &kt16;
+  a16 = a;
+  const int64_t E = a.query.shape[3];
+  // Queries: the tile path rounds round(query_scale * q) as it packs a tile;
+  // the others read a copy of them, whose scale is then 1.
+  if (!tile_path) round_queries(a, kt, kt16, ops, a16);
 
   // Keys: bfloat16 rows of an even length.
   if (!pairs_in_place(a.key)) {

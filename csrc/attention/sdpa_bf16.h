@@ -2,7 +2,8 @@
 // (Precision::kBFloat16): each product's operands rounded to bfloat16 once
 // per call, before any path reads them.
 //
-//   queries   round(query_scale * q), float32 (the call's scale then 1)
+//   queries   round(query_scale * q): as the tile path packs each tile, or
+//             for the row paths a float32 copy (the call's scale then 1)
 //   keys      bfloat16 rows with an even row stride: read in place where the
 //             caller's keys are such rows, else rounded into a copy; the tile
 //             path multiplies them as pairs along the head dim, the row paths

@@ -154,15 +154,14 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   // rest of the query_tile lanes idle).
   t.lanes = static_cast<int>((rows + kt.vector_width - 1) / kt.vector_width) * kt.vector_width;
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
-  // With bfloat16 products, as pairs along the head dim (the queries are
-  // rounded and scaled already), in the same buffer.
+  // With bfloat16 products, as pairs along the head dim, in the same buffer.
   prefetch_rows(a.query.at(b, h, i0), a.query.stride[2], rows, E * int64_t(sizeof(T)));
   if constexpr (std::is_same_v<T, float>) {
     if (c.bf16) {
       uint32_t* q_pairs = reinterpret_cast<uint32_t*>(t.q_t);
       std::fill_n(q_pairs, (E + 1) / 2 * qt, uint32_t(0));
-      c.bf16->kt16->pack_pairs(a.query.at(b, h, i0), 1, a.query.stride[2], E, rows, 1.0f, q_pairs,
-                               qt);
+      c.bf16->kt16->pack_pairs(a.query.at(b, h, i0), 1, a.query.stride[2], E, rows,
+                               a.query_scale(), q_pairs, qt);
     }
   }
   if (!c.bf16)
