@@ -91,7 +91,7 @@ def draw_precision(p: Provider, compute):
     if p.bool(0.04):
         return p.choice(BAD_PRECISIONS), True
     precision = p.choice(PRECISIONS)
-    return precision, precision == "bfloat16" and np.dtype(compute) == F64
+    return precision, precision == "bfloat16" and np.dtype(compute).type is np.float64  # (either byte order)
 
 
 def bf16_tolerance(arrays) -> dict:
@@ -498,6 +498,8 @@ def compare(got, expected, dtype, what, inputs, moderate=True, tolerance=None):
     expected = np.asarray(expected, dtype=np.float64)
     if well_scaled(arrays) and moderate:
         OUTCOMES["result checked"] += 1
+        if isinstance(tolerance, dict):
+            OUTCOMES[f"{what}: bfloat16 precision checked"] += 1
         tol = tolerance if isinstance(tolerance, dict) else TOL[dtype if tolerance is None else tolerance]
         np.testing.assert_allclose(got.astype(np.float64), expected, equal_nan=True, err_msg=what, **tol)
     elif nan_inf_only(arrays):
@@ -1384,8 +1386,8 @@ def fuzz_step(p: Provider):
             if isinstance(a[name], np.ndarray) and p.bool(0.15):
                 a[name] = relayout(p, a[name])
         valid_n = np.full(B, T) if a["lengths"] is None else np.asarray(a["lengths"])
-        # float64 queries compute their projections in float64: no bfloat16 products.
-        precision, invalid = draw_precision(p, a["query"].dtype if a["query"].dtype == F64 else F32)
+        # (float64 queries compute their projections in float64: no bfloat16 products.)
+        precision, invalid = draw_precision(p, a["query"].dtype)
         n_mut = p.choice([0, 0, 0, 1, 2]) + invalid
         for _ in range(n_mut):
             if p.bool(0.8):
@@ -1888,6 +1890,8 @@ def fuzz_transformer_layer(p: Provider):
     if args[padding_name] is not None:
         skip = closed_rows(args[padding_name], got_rows.shape[:2])
     scaled = inputs[:1 + decoder] + [scale_view(args[n]) for n in arrays[1 + decoder:]] + list(params.values())
+    if bf16:
+        OUTCOMES[f"{what}: bfloat16 precision checked"] += 1
     compare_layer(got_rows, exp_rows, spread_rows, dtype, what, scaled, skip_rows=skip)
     if stack:
         OUTCOMES[f"{what}: result checked"] += 1

@@ -71,9 +71,9 @@ __all__ = [
 def _compute_dtype(query):
     """The dtype every computation runs in: the query's (float32 or float64)."""
     dtype = np.asarray(query).dtype
-    if dtype == np.float64:
+    if dtype.type is np.float64:  # (either byte order)
         return np.dtype(np.float64)
-    if dtype == np.float32:
+    if dtype.type is np.float32:
         return np.dtype(np.float32)
     # Half-precision storage (float16, ml_dtypes' bfloat16) is computed in float32.
     if dtype == np.float16 or dtype.name == "bfloat16":
