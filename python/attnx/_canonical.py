@@ -44,9 +44,8 @@ _NAN = float("nan")
 
 def make_sdpa_options(causal, bottom_right, scale, window_left, window_right, enable_gqa, softcap, scores,
                       precision) -> "_core.SdpaOptions":
-    """The core's options of checked values; the precision is given where it is not the default."""
-    extra = (precision,) if precision else ()
-    return _core.SdpaOptions(causal, bottom_right, scale, window_left, window_right, enable_gqa, softcap, scores, *extra)
+    """The core's options of checked values (`precision`: the core's code of it)."""
+    return _core.SdpaOptions(causal, bottom_right, scale, window_left, window_right, enable_gqa, softcap, scores, precision)
 
 
 # The options of the common calls, made once: [is_causal][enable_gqa].
@@ -282,9 +281,8 @@ def mha_options(is_causal, need_weights, average_attn_weights, batch_first, attn
 
 def make_mha_options(causal, bottom_right, need_weights, average_weights, batch_first,
                      precision) -> "_core.MhaOptions":
-    """The core's options of checked flags; the precision is given where it is not the default."""
-    extra = (precision,) if precision else ()
-    return _core.MhaOptions(causal, bottom_right, need_weights, average_weights, batch_first, *extra)
+    """The core's options of checked flags (`precision`: the core's code of it)."""
+    return _core.MhaOptions(causal, bottom_right, need_weights, average_weights, batch_first, precision)
 
 
 def _parameter(x, dtype, name, shape) -> np.ndarray:

@@ -16,11 +16,6 @@ import numpy as np
 from . import _core
 from ._arrays import additive_mask, as_array, is_floating, kernel_layout
 
-def _precision(code: int) -> tuple[int, ...]:
-    """The core's trailing precision argument: given only where it is not the default."""
-    return (code,) if code else ()
-
-
 def compute_dtype(layer: Any) -> np.dtype[Any]:
     """float64 for float64 layers, else float32 (half-precision parameters are storage)."""
     return np.dtype(np.float64) if layer.self_attn.dtype == np.float64 else np.dtype(np.float32)
@@ -117,7 +112,7 @@ def encoder_layer(layer: Any, src: np.ndarray[Any, Any], src_mask: Any, src_key_
                          ("src_mask", "src_key_padding_mask"))
     return _core.transformer_layer(
         weights, kernel_layout(src), None, masks, None, layer.batch_first, bool(is_causal) and src_mask is None, False,
-        final_norm(norm, dtype), None, None, *_precision(precision),
+        final_norm(norm, dtype), None, None, precision,
     )
 
 
@@ -137,7 +132,7 @@ def decoder_layer(layer: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any,
     return _core.transformer_layer(
         weights, kernel_layout(tgt), kernel_layout(memory), self_masks, cross_masks, layer.batch_first,
         bool(tgt_is_causal) and tgt_mask is None, bool(memory_is_causal) and memory_mask is None,
-        final_norm(norm, dtype), None, None, *_precision(precision),
+        final_norm(norm, dtype), None, None, precision,
     )
 
 
@@ -177,7 +172,7 @@ def _memory_projections(layer: Any, memory: np.ndarray[Any, Any], batch_first: b
     projected = []
     for weight, bias in zip(weights, biases):
         out = np.empty((N * S, E), dtype)
-        _core.linear(rows, weight, bias, out, *_precision(precision))
+        _core.linear(rows, weight, bias, out, precision)
         projected.append(out.reshape(N, S, H, E // H).transpose(0, 2, 1, 3))
     return tuple(projected)
 
@@ -214,7 +209,7 @@ def decoder_step(decoder: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any
         for i, layer in enumerate(layers):
             x = _core.transformer_layer(
                 weights[i], x, memory, None, cross_masks, batch_first, False, False,
-                norm if i == len(layers) - 1 else None, cache.layers[i], memory_kv[i], *_precision(precisions[i]),
+                norm if i == len(layers) - 1 else None, cache.layers[i], memory_kv[i], precisions[i],
             )
     except BaseException:
         for n, b in zip(lengths, before):
