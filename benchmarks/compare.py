@@ -8,11 +8,19 @@ Usage (from a checkout, after ``pip install .``; the installed attnx is the one 
     python benchmarks/compare.py --sweep                # time against sequence length, same file
     python benchmarks/compare.py --threads 2 --shapes l1024 --out run.json
     python benchmarks/compare.py --shapes encoder-layer encoder-stack decoder-step
+    python benchmarks/compare.py --precision bfloat16 --shapes b8-l128 l1024 causal-l2048 d128-l2048 mha-e768
 
 Results go to ``benchmarks/results/DATE-MACHINE-COMMIT.json`` (see results_file.py): the
 ``compare`` section for the shapes, ``sweep`` for ``--sweep``, ``transformer`` for a run of the
-transformer layers only (so that it does not replace the shapes' section). ``--out`` names another
-file.
+transformer layers only (so that it does not replace the shapes' section), and the same names
+suffixed ``-bfloat16`` for ``--precision bfloat16``. ``--out`` names another file.
+
+``--precision bfloat16`` compares bfloat16 inference: attnx with ``precision="bfloat16"``, torch
+on bfloat16 tensors and modules (``.to(torch.bfloat16)``), OpenVINO with its default inference
+precision (bfloat16 on CPUs with AVX512_BF16 or AMX; the precision it chose is recorded). NumPy
+and ONNX Runtime (whose CPU provider runs these models in float32) sit that comparison out. The
+outputs are checked against the float64 reference with a bfloat16 tolerance, and the fraction of
+the peak is still that of the float32 FMA peak (bfloat16 products can exceed 1).
 
 Method
 ------
@@ -549,26 +557,42 @@ def import_optional(name: str):
         raise NotInstalled(str(exc)) from None
 
 
-def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None) -> Bench:
+def attnx_precision(precision: str) -> dict[str, str]:
+    """The keyword attnx's calls take for `precision` (none for float32, the default)."""
+    return {} if precision == "float32" else {"precision": precision}
+
+
+def attnx_kernel_note(precision: str) -> str:
+    import attnx
+
+    kernels = attnx.show_config().get("precisions", {})
+    return f"{precision} kernel {kernels.get(precision, attnx.show_config()['isa'])}"
+
+
+def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None,
+                precision: str = "float32") -> Bench:
     """attnx's call of a shape; with `softcap`, the sdpa shapes soft-cap their scores (ab.py's
     --after-softcap), and the multi-head and transformer ones, which have no soft cap, run as
     they are."""
     if shape.kind in LAYER_KINDS:
-        return setup_attnx_layer(shape, data, threads)
+        return setup_attnx_layer(shape, data, threads, precision)
     import attnx
 
     attnx.set_num_threads(threads)
     if shape.kind == "sdpa":
         q, k, v = data["q"], data["k"], data["v"]
         extra = {} if softcap is None else {"softcap": softcap}
+        extra.update(attnx_precision(precision))
         if shape.mask_given:
             mask = causal_additive_mask(shape.L, shape.S, np.float32)
-            return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra))
-        return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **extra))
+            return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra),
+                         note=attnx_kernel_note(precision))
+        return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **extra),
+                     note=attnx_kernel_note(precision))
     x = data["x"]
     module_cls = getattr(attnx, "MultiheadAttention", None)
     if module_cls is not None:
-        module = module_cls(shape.E, shape.H, batch_first=True, dtype=np.float32)
+        module = module_cls(shape.E, shape.H, batch_first=True, dtype=np.float32, **attnx_precision(precision))
         module.load_state_dict(
             {
                 "in_proj_weight": data["w_in"],
@@ -579,7 +603,7 @@ def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None) 
         )
         return Bench(
             lambda: module(x, x, x, need_weights=False, is_causal=shape.causal)[0],
-            note="attnx.MultiheadAttention",
+            note=f"attnx.MultiheadAttention, {attnx_kernel_note(precision)}",
         )
     args = (shape.E, shape.H, data["w_in"], data["b_in"], None, None, False, 0.0, data["w_out"], data["b_out"])
     return Bench(
@@ -590,9 +614,11 @@ def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None) 
     )
 
 
-def setup_numpy(shape: Shape, data, threads: int) -> Bench:
+def setup_numpy(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
     if shape.kind in LAYER_KINDS:
         raise NotApplicable("no NumPy transformer peer")
+    if precision != "float32":
+        raise NotApplicable("NumPy has no bfloat16 products")
     mask = causal_additive_mask(shape.L, shape.S, np.float32) if shape.causal else None
     if shape.kind == "sdpa":
         q, k, v = data["q"], data["k"], data["v"]
@@ -601,17 +627,30 @@ def setup_numpy(shape: Shape, data, threads: int) -> Bench:
     return Bench(lambda: numpy_mha(d["x"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], shape.H, mask))
 
 
-def setup_torch(shape: Shape, data, threads: int) -> Bench | dict[str, Bench]:
+def torch_dtype(torch, precision: str):
+    return torch.bfloat16 if precision == "bfloat16" else torch.float32
+
+
+def torch_note(torch, precision: str) -> str:
+    """torch's dtype and the CPU capability its kernels dispatch to."""
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
+    return f"{precision}, CPU capability {capability}"
+
+
+def setup_torch(shape: Shape, data, threads: int, precision: str = "float32") -> Bench | dict[str, Bench]:
     if shape.kind in LAYER_KINDS:
-        return setup_torch_layer(shape, data, threads)
+        return setup_torch_layer(shape, data, threads, precision)
     torch = import_optional("torch")
     torch.set_num_threads(threads)
-    to_numpy = lambda t: t.numpy()  # noqa: E731
+    dtype = torch_dtype(torch, precision)
+    to_numpy = lambda t: t.float().numpy()  # noqa: E731
     if shape.kind == "sdpa":
-        q, k, v = (torch.from_numpy(data[n]) for n in ("q", "k", "v"))
+        q, k, v = (torch.from_numpy(data[n]).to(dtype) for n in ("q", "k", "v"))
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
         mask = torch.from_numpy(causal_additive_mask(shape.L, shape.S, np.float32)) if shape.mask_given else None
+        if mask is not None:
+            mask = mask.to(dtype)
 
         def run_sdpa():
             with torch.inference_mode():
@@ -619,7 +658,8 @@ def setup_torch(shape: Shape, data, threads: int) -> Bench | dict[str, Bench]:
                     return sdpa(q, k, v, attn_mask=mask)
                 return sdpa(q, k, v, is_causal=shape.causal)
 
-        return Bench(run_sdpa, to_numpy, note="F.scaled_dot_product_attention, inference_mode")
+        return Bench(run_sdpa, to_numpy,
+                     note=f"F.scaled_dot_product_attention, inference_mode, {torch_note(torch, precision)}")
     module = torch.nn.MultiheadAttention(shape.E, shape.H, batch_first=True)
     module.load_state_dict(
         {
@@ -629,17 +669,18 @@ def setup_torch(shape: Shape, data, threads: int) -> Bench | dict[str, Bench]:
             "out_proj.bias": torch.from_numpy(data["b_out"]),
         }
     )
-    module.eval()
-    x = torch.from_numpy(data["x"])
+    module.eval().to(dtype)
+    x = torch.from_numpy(data["x"]).to(dtype)
     mask = None
     if shape.causal:
-        mask = torch.from_numpy(causal_additive_mask(shape.L, shape.S, np.float32))
+        mask = torch.from_numpy(causal_additive_mask(shape.L, shape.S, np.float32)).to(dtype)
 
     def run_mha():
         with torch.inference_mode():
             return module(x, x, x, need_weights=False, attn_mask=mask)[0]
 
-    return Bench(run_mha, to_numpy, note="nn.MultiheadAttention eval(), inference_mode")
+    return Bench(run_mha, to_numpy,
+                 note=f"nn.MultiheadAttention eval(), inference_mode, {torch_note(torch, precision)}")
 
 
 def _onnx_model_bytes(shape: Shape, data) -> bytes:
@@ -726,7 +767,9 @@ def _ort_options(ort, threads: int):
     return options
 
 
-def setup_onnxruntime(shape: Shape, data, threads: int) -> Bench:
+def setup_onnxruntime(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
+    if precision != "float32":
+        raise NotApplicable("ONNX Runtime's CPU provider runs these models in float32")
     if shape.kind in LAYER_KINDS:
         return setup_onnxruntime_layer(shape, data, threads)
     ort = import_optional("onnxruntime")
@@ -789,22 +832,31 @@ def _openvino_model(shape: Shape, data, ops, ov):
     return ov.Model([out], [x], f"mha_{shape.name}")
 
 
-def _openvino_config(threads: int) -> dict:
-    return {
+def _openvino_config(threads: int, precision: str = "float32") -> dict:
+    """float32: the f32 hint; bfloat16: OpenVINO's default inference precision (no hint)."""
+    config = {
         "INFERENCE_NUM_THREADS": threads,
-        "INFERENCE_PRECISION_HINT": "f32",
         "PERFORMANCE_HINT": "LATENCY",
         "NUM_STREAMS": 1,
         "ENABLE_CPU_PINNING": False,  # pinning would also pin this process's other threads
     }
+    if precision == "float32":
+        config["INFERENCE_PRECISION_HINT"] = "f32"
+    return config
 
 
-def setup_openvino(shape: Shape, data, threads: int) -> Bench:
+def _openvino_note(compiled, what: str) -> str:
+    chosen = compiled.get_property("INFERENCE_PRECISION_HINT")
+    return f"{what}, inference precision {getattr(chosen, 'get_type_name', lambda: chosen)()}"
+
+
+def setup_openvino(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
     if shape.kind in LAYER_KINDS:
-        return setup_openvino_layer(shape, data, threads)
+        return setup_openvino_layer(shape, data, threads, precision)
     ov = import_optional("openvino")
     ops = _openvino_ops()
-    compiled = ov.Core().compile_model(_openvino_model(shape, data, ops, ov), "CPU", _openvino_config(threads))
+    compiled = ov.Core().compile_model(_openvino_model(shape, data, ops, ov), "CPU",
+                                       _openvino_config(threads, precision))
     request = compiled.create_infer_request()
     names = ("q", "k", "v") if shape.kind == "sdpa" else ("x",)
     inputs = [data[name] for name in names]
@@ -820,7 +872,8 @@ def setup_openvino(shape: Shape, data, threads: int) -> Bench:
         request.infer()
         return request.get_output_tensor(0).data
 
-    return Bench(run, lambda out: np.array(out, copy=True), note="opset13.ScaledDotProductAttention, f32 hint")
+    return Bench(run, lambda out: np.array(out, copy=True),
+                 note=_openvino_note(compiled, "opset13.ScaledDotProductAttention"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -828,7 +881,7 @@ def setup_openvino(shape: Shape, data, threads: int) -> Bench:
 # --------------------------------------------------------------------------------------------
 
 
-def setup_attnx_layer(shape: Shape, data, threads: int) -> Bench:
+def setup_attnx_layer(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
     """attnx's nn.Transformer modules, loaded with the case's state dict, in eval mode. The
     decoder step runs TransformerDecoder.step over a cache that one step filled with the S
     cached tokens; the cache lengths are put back after each step."""
@@ -836,7 +889,8 @@ def setup_attnx_layer(shape: Shape, data, threads: int) -> Bench:
 
     attnx.set_num_threads(threads)
     E, H = shape.E, shape.H
-    config = dict(dim_feedforward=shape.ff, activation=shape.activation, batch_first=True, dtype=np.float32)
+    config = dict(dim_feedforward=shape.ff, activation=shape.activation, batch_first=True, dtype=np.float32,
+                  **attnx_precision(precision))
     view = layer_output_view(shape, data)
     if shape.kind == "encoder-layer":
         module = attnx.TransformerEncoderLayer(E, H, **config)
@@ -845,9 +899,11 @@ def setup_attnx_layer(shape: Shape, data, threads: int) -> Bench:
 
         norm = LayerNorm(E, dtype=np.float32)
         if shape.kind == "encoder-stack":
-            module = attnx.TransformerEncoder(attnx.TransformerEncoderLayer(E, H, **config), shape.layers, norm)
+            module = attnx.TransformerEncoder(attnx.TransformerEncoderLayer(E, H, **config), shape.layers, norm,
+                                              **attnx_precision(precision))
         else:
-            module = attnx.TransformerDecoder(attnx.TransformerDecoderLayer(E, H, **config), shape.layers, norm)
+            module = attnx.TransformerDecoder(attnx.TransformerDecoderLayer(E, H, **config), shape.layers, norm,
+                                              **attnx_precision(precision))
     module.load_state_dict(data["state"])
     module.eval()
     name = type(module).__name__
@@ -952,18 +1008,21 @@ class TorchCachedDecoder:
         return x
 
 
-def setup_torch_layer(shape: Shape, data, threads: int) -> Bench | dict[str, Bench]:
+def setup_torch_layer(shape: Shape, data, threads: int, precision: str = "float32") -> Bench | dict[str, Bench]:
     """torch's own modules under inference_mode (the encoder layer and stack take torch's fused
     fast path there). The decoder step has two peers: "torch-recompute", the decoder's forward
     over all S + L target tokens with a causal tgt_mask, of which the last L positions are the
     step's; "torch-cached", TorchCachedDecoder's step over S cached tokens."""
     torch = import_optional("torch")
     torch.set_num_threads(threads)
-    module = torch_layer_module(torch, shape, data)
+    if precision != "float32" and shape.kind == "decoder-step":
+        raise NotApplicable("the torch decoding loops run in float32")
+    dtype = torch_dtype(torch, precision)
+    module = torch_layer_module(torch, shape, data).to(dtype)
     view = layer_output_view(shape, data)
-    to_numpy = lambda t: view(t.numpy())  # noqa: E731
+    to_numpy = lambda t: view(t.float().numpy())  # noqa: E731
     if shape.kind != "decoder-step":
-        x = torch.from_numpy(data["x"])
+        x = torch.from_numpy(data["x"]).to(dtype)
         mask = torch.from_numpy(data["key_padding_mask"]) if shape.padded else None
         kwargs = {} if mask is None else {"src_key_padding_mask": mask}
 
@@ -971,7 +1030,8 @@ def setup_torch_layer(shape: Shape, data, threads: int) -> Bench | dict[str, Ben
             with torch.inference_mode():
                 return module(x, **kwargs)
 
-        return Bench(run_encoder, to_numpy, note=f"nn.{type(module).__name__} eval(), inference_mode (fast path)")
+        return Bench(run_encoder, to_numpy, note=f"nn.{type(module).__name__} eval(), inference_mode (fast path), "
+                                                 f"{torch_note(torch, precision)}")
     tgt, memory = torch.from_numpy(data["tgt"]), torch.from_numpy(data["memory"])
     n, T = shape.S + shape.L, shape.L
     causal = torch.nn.Transformer.generate_square_subsequent_mask(n)
@@ -1059,7 +1119,8 @@ def _layer_feeds(shape: Shape, data) -> dict[str, np.ndarray]:
 
 
 def setup_onnxruntime_layer(shape: Shape, data, threads: int) -> Bench:
-    """ONNX Runtime on export_onnx_layer's model, all graph optimisations, inputs bound once."""
+    """ONNX Runtime on export_onnx_layer's model, all graph optimisations, inputs bound once
+    (float32: setup_onnxruntime sits bfloat16 out)."""
     ort = import_optional("onnxruntime")
     model = export_onnx_layer(shape, data)
     try:
@@ -1071,7 +1132,7 @@ def setup_onnxruntime_layer(shape: Shape, data, threads: int) -> Bench:
                  note="the torch module exported with torch.onnx.export(dynamo=False), opset 17")
 
 
-def setup_openvino_layer(shape: Shape, data, threads: int) -> Bench:
+def setup_openvino_layer(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
     """OpenVINO reading export_onnx_layer's model, compiled as for the other shapes."""
     ov = import_optional("openvino")
     model = export_onnx_layer(shape, data)
@@ -1080,7 +1141,8 @@ def setup_openvino_layer(shape: Shape, data, threads: int) -> Bench:
         with open(path, "wb") as f:
             f.write(model)
         try:
-            compiled = ov.Core().compile_model(ov.Core().read_model(path), "CPU", _openvino_config(threads))
+            compiled = ov.Core().compile_model(ov.Core().read_model(path), "CPU",
+                                               _openvino_config(threads, precision))
         except Exception as exc:
             raise Unavailable(f"OpenVINO cannot compile the exported model: {type(exc).__name__}: {exc}") from None
     request = compiled.create_infer_request()
@@ -1095,11 +1157,12 @@ def setup_openvino_layer(shape: Shape, data, threads: int) -> Bench:
 
     view = layer_output_view(shape, data)
     return Bench(run, lambda out: view(np.array(out, copy=True)), exported=True,
-                 note="the exported ONNX model read by OpenVINO, f32 hint")
+                 note=_openvino_note(compiled, "the exported ONNX model read by OpenVINO"))
 
 
 # An adapter returns one Bench, or several by name (torch's two decoder-step peers).
-ADAPTERS: dict[str, Callable[[Shape, dict, int], Bench | dict[str, Bench]]] = {
+# Each takes (shape, data, threads, precision=...).
+ADAPTERS: dict[str, Callable[..., Bench | dict[str, Bench]]] = {
     "attnx": setup_attnx,
     "numpy": setup_numpy,
     "torch": setup_torch,
@@ -1273,13 +1336,18 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def check_output(got: np.ndarray, ref: np.ndarray) -> dict:
-    """Max abs difference from the float64 reference; ok when within float32 round-off."""
+# Tolerated max abs difference from the float64 reference, relative to max(1, max |ref|): float32
+# round-off, or bfloat16 operands (8 significant bits).
+CHECK_TOLERANCE = {"float32": 2e-4, "bfloat16": 6e-2}
+
+
+def check_output(got: np.ndarray, ref: np.ndarray, precision: str = "float32") -> dict:
+    """Max abs difference from the float64 reference; ok when within the precision's round-off."""
     got = np.asarray(got)
     if got.shape != ref.shape:
         return {"max_abs_diff": None, "ok": False, "problem": f"shape {got.shape} != {ref.shape}"}
     diff = float(np.max(np.abs(got.astype(np.float64) - ref))) if ref.size else 0.0
-    tol = 2e-4 * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
+    tol = CHECK_TOLERANCE[precision] * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
     return {"max_abs_diff": diff, "ok": bool(diff <= tol)}  # NaN compares False -> not ok
 
 
@@ -1291,7 +1359,7 @@ def bench_shape(shape: Shape, libs: list[str], threads: int, opts, progress: Pro
     benches: dict[str, Bench] = {}
     for lib in libs:
         try:
-            made = ADAPTERS[lib](shape, data, threads)
+            made = ADAPTERS[lib](shape, data, threads, precision=opts.precision)
         except NotInstalled as exc:
             status[lib] = {"status": "not installed", "note": str(exc)}
             continue
@@ -1308,7 +1376,7 @@ def bench_shape(shape: Shape, libs: list[str], threads: int, opts, progress: Pro
             continue
         for name, bench in (made.items() if isinstance(made, dict) else [(lib, made)]):
             try:
-                check = check_output(bench.to_numpy(call_once(bench)), reference)
+                check = check_output(bench.to_numpy(call_once(bench)), reference, opts.precision)
             except Exception as exc:
                 if name == "attnx":
                     raise
@@ -1450,7 +1518,7 @@ cpu_model = results_file.cpu_model
 def worker_argv(threads: int, out_path: str, opts) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(threads), "--worker-out", out_path,
             "--rounds", str(opts.rounds), "--block-seconds", str(opts.block_seconds),
-            "--pause-ms", str(opts.pause_ms), "--libs", *opts.libs]
+            "--pause-ms", str(opts.pause_ms), "--libs", *opts.libs, "--precision", opts.precision]
     if opts.peak_gflops is not None:
         argv += ["--peak-gflops", str(opts.peak_gflops)]
     if opts.shapes:
@@ -1570,7 +1638,8 @@ def print_report(report: dict) -> None:
     print(f"numpy BLAS: {v.get('numpy_blas')}; attnx config: {v.get('attnx_config')}")
     c = report["config"]
     print(f"method: {c['rounds']} interleaved rounds, blocks of ~{c['block_seconds']} s per library, "
-          f"{c['pause_ms']} ms pause between libraries, median per-call time; float32.")
+          f"{c['pause_ms']} ms pause between libraries, median per-call time; "
+          f"{c.get('precision', 'float32')} (see the notes for each library's kernel).")
     print("FLOPs: sdpa 4*B*H*L*S*D (causal: the computed half, 2*B*H*L*S*D); MHA adds 8*B*L*E^2. "
           "speed-up = best peer's median / attnx's (> 1: attnx faster); per round = the median over "
           "rounds of the same ratio of block medians.")
@@ -1640,6 +1709,8 @@ def parse_args(argv=None):
                    + "; transformer layers (named only): " + ", ".join(s.name for s in LAYER_SHAPES))
     p.add_argument("--libs", nargs="+", default=list(LIBRARIES), choices=LIBRARIES,
                    help="libraries to run (attnx is always run)")
+    p.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                   help="the precision compared (default float32; bfloat16: see the module's docstring)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 7, --quick 2)")
     p.add_argument("--block-seconds", type=float, help="target length of one block (default 0.25, --quick 0.05)")
     p.add_argument("--pause-ms", type=float, default=30.0, help="sleep before each block (default 30)")
@@ -1677,12 +1748,13 @@ def parse_args(argv=None):
 def default_section(opts) -> str:
     """The results file's section a run writes: "sweep" for --sweep, "transformer" when every
     shape is a transformer layer (the layers' own section: a run of them alone must not replace
-    the shapes'), else "compare"."""
+    the shapes'), else "compare"; suffixed "-bfloat16" for --precision bfloat16."""
+    suffix = "" if opts.precision == "float32" else f"-{opts.precision}"
     if opts.sweep:
-        return "sweep"
+        return "sweep" + suffix
     if opts.shapes and all(s.kind in LAYER_KINDS for s in select_shapes(opts.shapes)):
-        return "transformer"
-    return "compare"
+        return "transformer" + suffix
+    return "compare" + suffix
 
 
 def main(argv=None) -> int:
@@ -1700,7 +1772,8 @@ def main(argv=None) -> int:
         "versions": library_versions(),
         "config": {"rounds": opts.rounds, "block_seconds": opts.block_seconds, "pause_ms": opts.pause_ms,
                    "peak_gflops_all_cores": opts.peak_gflops, "quick": opts.quick, "threads": opts.threads,
-                   "sweep_lengths": opts.sweep_lengths if opts.sweep else None},
+                   "sweep_lengths": opts.sweep_lengths if opts.sweep else None,
+                   "precision": opts.precision},
         "runs": [run_thread_count(n, opts) for n in opts.threads],
     }
     print_report(report)
