@@ -12,8 +12,11 @@ torch's initial distributions for the module's weights) go to:
 * attnx with ``precision="bfloat16"`` (and, for scale, with the default float32 precision);
 * OpenVINO's CPU plugin compiled with its default precision: bfloat16 on CPUs with AVX512_BF16
   or AMX, float32 elsewhere. The precision it chose is read back from the compiled model
-  (``INFERENCE_PRECISION_HINT``) and printed. Its models are compare.py's: opset13
-  ScaledDotProductAttention, with MatMul projections for the module.
+  (``INFERENCE_PRECISION_HINT``) and printed.
+
+The calls are compare.py's ``--precision bfloat16`` set-ups (``setup_attnx``,
+``setup_openvino``): opset13 ScaledDotProductAttention for OpenVINO, with MatMul projections
+for the module.
 
 Each output is compared with compare.py's float64 NumPy reference of the same computation: the
 max and the mean absolute difference, the worst over ``--seeds`` draws of the inputs. The
@@ -37,33 +40,12 @@ from results_file import cpu_model  # noqa: E402  (benchmarks/results_file.py)
 DEFAULT_SHAPES = ("b8-l128", "l1024", "causal-l2048", "d128-l2048", "mha-e768")
 
 
-def attnx_output(shape: compare.Shape, data: dict, precision: str | None) -> np.ndarray:
-    """attnx's output of the case: (B, H, L, D) for sdpa, (B, L, E) for the module."""
-    import attnx
-
-    if shape.kind == "sdpa":
-        return attnx.scaled_dot_product_attention(data["q"], data["k"], data["v"], is_causal=shape.causal,
-                                                  precision=precision)
-    module = attnx.MultiheadAttention(shape.E, shape.H, batch_first=True, precision=precision).eval()
-    module.load_state_dict({"in_proj_weight": data["w_in"], "in_proj_bias": data["b_in"],
-                            "out_proj.weight": data["w_out"], "out_proj.bias": data["b_out"]})
-    x = data["x"]
-    out, _ = module(x, x, x, need_weights=False, is_causal=shape.causal)
-    return out
-
-
-def openvino_output(shape: compare.Shape, data: dict, threads: int) -> tuple[np.ndarray, str]:
-    """OpenVINO's output of the case at its default precision, and the precision it chose."""
-    ov = compare.import_optional("openvino")
-    ops = compare._openvino_ops()
-    config = compare._openvino_config(threads)
-    config.pop("INFERENCE_PRECISION_HINT")  # the plugin's default: what a user gets
-    compiled = ov.Core().compile_model(compare._openvino_model(shape, data, ops, ov), "CPU", config)
-    hint = compiled.get_property("INFERENCE_PRECISION_HINT")
-    precision = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)  # "bf16", "f32"
-    names = ("q", "k", "v") if shape.kind == "sdpa" else ("x",)
-    result = compiled([data[name] for name in names])
-    return np.array(result[compiled.output(0)], dtype=np.float32, copy=True), precision
+def output(setup, shape: compare.Shape, data: dict, threads: int, precision: str) -> tuple[np.ndarray, str]:
+    """One call of compare.py's set-up of a library (``compare.setup_attnx``, ...) at `precision`:
+    its output in compare.py's canonical layout and the set-up's note (OpenVINO's names the
+    inference precision it chose)."""
+    bench = setup(shape, data, threads, precision=precision)
+    return np.asarray(bench.to_numpy(compare.call_once(bench)), dtype=np.float64), bench.note
 
 
 def errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
@@ -84,10 +66,11 @@ def measure(names: list[str], seeds: int, threads: int) -> dict:
         for seed in range(seeds):
             data = compare.make_inputs(shape, seed)
             want = compare.reference_output(shape, data)
-            results = {"attnx bfloat16": attnx_output(shape, data, "bfloat16"),
-                       "attnx float32": attnx_output(shape, data, None)}
+            results = {"attnx bfloat16": output(compare.setup_attnx, shape, data, threads, "bfloat16")[0],
+                       "attnx float32": output(compare.setup_attnx, shape, data, threads, "float32")[0]}
             try:
-                results["openvino"], ov_precision = openvino_output(shape, data, threads)
+                results["openvino"], note = output(compare.setup_openvino, shape, data, threads, "bfloat16")
+                ov_precision = note.rpartition("inference precision ")[2]
             except compare.NotInstalled:
                 ov_precision = "not installed"
             for lib, got in results.items():

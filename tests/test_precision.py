@@ -764,10 +764,14 @@ def test_error_no_worse_than_openvinos_bfloat16(shape):
     case = {s.name: s for s in compare.SHAPES}[shape]
     data = compare.make_inputs(case, 0)
     want = compare.reference_output(case, data)
-    theirs, precision = accuracy.openvino_output(case, data, attnx.get_num_threads())
-    if "bf16" not in precision and "bfloat16" not in precision:
-        pytest.skip(f"OpenVINO computes in {precision} on this CPU (bfloat16 needs AVX512_BF16 or AMX)")
-    ours = accuracy.attnx_output(case, data, BF16)
+    threads = attnx.get_num_threads()
+    try:
+        theirs, note = accuracy.output(compare.setup_openvino, case, data, threads, BF16)
+        if "bf16" not in note:
+            pytest.skip(f"OpenVINO computes in float32 on this CPU ({note}); bfloat16 needs AVX512_BF16 or AMX")
+        ours, _ = accuracy.output(compare.setup_attnx, case, data, threads, BF16)
+    finally:
+        attnx.set_num_threads(threads)  # (the set-ups set it)
     (our_max, our_mean), (their_max, their_mean) = accuracy.errors(ours, want), accuracy.errors(theirs, want)
     assert our_max <= 1.5 * their_max, (our_max, their_max)
     assert our_mean <= 1.5 * their_mean, (our_mean, their_mean)
