@@ -485,9 +485,21 @@ def test_decoding_steps_equal_the_full_forward(cache_dtype):
     assert_identical(plain.step(x, cache3, precision=BF16), functional)
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16"])
+def _stored(cache, array, scales):
+    """A cache's keys or values as its attention reads them: an int8 cache's scaled by its rows'."""
+    if np.dtype(cache.dtype) != np.int8:
+        return array
+    return getattr(cache, scales)[..., None] * array.astype(np.float32)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_cached_attention_within_the_bounds(cache_dtype):
     dtype = _bf16_storage() if cache_dtype == "bfloat16" else np.dtype(cache_dtype)
+    if cache_dtype == "int8":
+        try:
+            attnx.KVCache(1, 1, 1, 1, np.int8)
+        except (TypeError, ValueError):
+            pytest.skip("this attnx's KVCache has no int8 storage")
     rng = np.random.default_rng(17)
     B, Hk, Hq, E, T = 2, 2, 8, 64, 3
     cache = attnx.KVCache(B, Hk, 600, E, dtype)
@@ -496,6 +508,7 @@ def test_cached_attention_within_the_bounds(cache_dtype):
     q = f32(rng, (B, Hq, T, E))
     got = attnx.cached_attention(q, cache, lengths=[3, 2], window=(400, None), softcap=5.0, precision=BF16)
     key, value, lengths = cache.storage()
+    key, value = _stored(cache, key, "key_scales"), _stored(cache, value, "value_scales")
     args = dict(key_lengths=lengths, query_lengths=[3, 2], window=(400, None), softcap=5.0)
     want = reference.cached_attention(q, key, value, **args, precision=BF16)
     exact = reference.cached_attention(q.astype(np.float64), np.asarray(key, np.float64),
@@ -568,6 +581,22 @@ def test_layer_precision_constructor_call_attribute_pickle_repr():
     plain.precision = BF16
     assert plain.self_attn.precision == BF16
     assert_identical(plain(x), b)
+
+
+def test_layer_repacks_assigned_and_loaded_parameters():
+    rng = np.random.default_rng(25)
+    layer = attnx.TransformerEncoderLayer(32, 4, 64, 0.0, seed=0, precision=BF16)
+    x = f32(rng, (7, 2, 32))
+    first = layer(x)
+    state = layer.state_dict()
+    layer.linear1.weight[...] *= 2          # in place: not seen by the packed copy
+    assert_identical(layer(x), first)
+    layer.linear1.weight = layer.linear1.weight.copy()     # assigned: packed again
+    assert not np.array_equal(layer(x), first)
+    layer.load_state_dict(state)            # loaded: packed again
+    assert_identical(layer(x), first)
+    layer.self_attn.in_proj_weight = layer.self_attn.in_proj_weight * 0.5
+    assert not np.array_equal(layer(x), first)
 
 
 def test_stacks_take_their_layers_precision_or_their_own():
