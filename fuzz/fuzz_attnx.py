@@ -17,7 +17,10 @@ garbage of another shape (they must raise), and ``CausalBias`` masks for sdpa. T
 allowed outcomes:
 
 * a result equal to the float64 reference's (``attnx.reference``, to the contract's
-  tolerances, NaN/Inf where it has them) -- and an unmutated call must give one;
+  tolerances, NaN/Inf where it has them) -- and an unmutated call must give one; a call
+  with ``precision="bfloat16"`` (drawn for sdpa, multi-head attention, the module, the caches,
+  the decoding steps and the transformer layers) against the reference of the same rounding,
+  within BF16_TOL of the values' magnitude;
 * ``ValueError``, ``TypeError`` or ``NotImplementedError``;
 * ``MemoryError`` only for requests that are truly huge (flagged where they are built).
 
@@ -1907,10 +1910,11 @@ def additive(mask, shape):
     return np.broadcast_to(m, shape)
 
 
-def decoder_reference(decoder, params, tokens, memory, cross_bias, run_dtype):
+def decoder_reference(decoder, params, tokens, memory, cross_bias, run_dtype, precision=None):
     """The reference decoder (each layer's attnx.reference.transformer_decoder_layer, then the
     final norm) over whole sequences with the causal tgt_mask: `tokens` (n, L, E) and `memory`
-    (n, S, E) batch first, `cross_bias` (n * nhead, L, S) the memory attention's mask."""
+    (n, S, E) batch first, `cross_bias` (n * nhead, L, S) the memory attention's mask; with
+    the products of `precision`."""
     x, mem = tokens.astype(run_dtype), memory.astype(run_dtype)
     L = x.shape[1]
     causal = np.triu(np.ones((L, L), bool), 1)
@@ -1920,7 +1924,8 @@ def decoder_reference(decoder, params, tokens, memory, cross_bias, run_dtype):
         eps = tuple(float(getattr(layer, n).eps) for n in ("norm1", "norm2", "norm3"))
         x = reference.transformer_decoder_layer(
             x, mem, own, layer.self_attn.num_heads, tgt_mask=causal, memory_mask=cross_bias.astype(run_dtype),
-            activation=layer.activation, layer_norm_eps=eps, norm_first=bool(layer.norm_first), batch_first=True)
+            activation=layer.activation, layer_norm_eps=eps, norm_first=bool(layer.norm_first), batch_first=True,
+            precision=precision)
     if decoder.norm is not None:
         weight, bias = params.get("norm.weight"), params.get("norm.bias")
         x = reference.layer_norm(x, None if weight is None else weight.astype(run_dtype),
@@ -1978,6 +1983,13 @@ def fuzz_transformer_step(p: Provider):
     if p.bool(0.7):
         randomize_parameters(p, decoder)
     dropout_applies = decoder.training and dropout > 0
+    # The precision of every step: the decoder's (set on it) or each step's.
+    precision, invalid = draw_precision(p, dtype)
+    step_precision = precision
+    if not invalid and precision is not None and p.bool():
+        decoder.precision = precision
+        step_precision = None
+    bf16 = precision == "bfloat16"
     batch_first = layer.batch_first
     B = p.int(1, 3)
     batched = not (B == 1 and p.bool(0.3))
@@ -2011,9 +2023,17 @@ def fuzz_transformer_step(p: Provider):
             x = np.array([tokens[b] for b in bs])
             bias = np.array([cross[b] for b in bs]).transpose(0, 2, 1, 3).reshape(len(bs) * H, x.shape[1], S)
             mem = memory[bs]
-            expected, conditioning = norm_conditioning(
-                lambda: reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float64)))
-            spread = reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float32))
+            if bf16:
+                # The reference of the same rounding; the spread is its distance from float64
+                # without rounding (as in fuzz_transformer_layer).
+                expected, conditioning = norm_conditioning(lambda: reference_of(
+                    lambda: decoder_reference(decoder, params, x, mem, bias, np.float32, "bfloat16")))
+                spread = reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float64))
+                OUTCOMES["TransformerDecoder.step: bfloat16 precision checked"] += 1
+            else:
+                expected, conditioning = norm_conditioning(
+                    lambda: reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float64)))
+                spread = reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float32))
             if expected is None or spread is None:
                 raise Disallowed("TransformerDecoder.step: results where the reference rejects the decoder")
             got = np.array([outputs[b] for b in bs], dtype)
@@ -2077,12 +2097,13 @@ def fuzz_transformer_step(p: Provider):
                 setattr(owner, attr, np.rint(broken[2] * 4).astype(int) if integral else malformed(p, broken[2]))
             n_mut += 1
             OUTCOMES["TransformerDecoder.step: a layer broken for a step"] += 1
+        n_mut += invalid  # (a precision the decoder cannot take: every step raises)
         inputs = [plain(args[n]) for n in ("tgt", "memory", "memory_key_padding_mask", "memory_mask")]
         snap = snapshot(inputs)
         before = cache_state(cache)
         ok, got = call("TransformerDecoder.step", lambda: decoder.step(
             args["tgt"], args["memory"], args["cache"], memory_key_padding_mask=args["memory_key_padding_mask"],
-            memory_mask=args["memory_mask"]))
+            memory_mask=args["memory_mask"], precision=step_precision))
         check_untouched(snap, "TransformerDecoder.step")
         if broken is not None:  # the parameter back, for the steps to come
             setattr(*broken)
