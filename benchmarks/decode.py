@@ -15,8 +15,12 @@ Case
 ----
 Batch 1, 32 query heads, ``--kv-heads`` key/value heads (8: grouped-query attention, the default;
 32: plain multi-head), head size 128, one query token, a cache holding ``length`` tokens (default
-lengths 128 512 2048 8192 32768) stored as float32 or float16 (the query has the cache's dtype).
-Every library gets the same keys, values and query:
+lengths 128 512 2048 8192 32768) stored as float32 or float16 (the query has the cache's dtype), or
+with ``--dtypes`` also bfloat16 (ml_dtypes) or int8. An int8 cache is attnx's alone (each key and
+value row quantized with its own float32 scale; the query is float32): the peers have no such cache
+and are reported n/a, and its error is taken against the float64 result of the unquantized float32
+keys and values, so that it shows what the quantization costs. Every library gets the same keys,
+values and query:
 
 * **attnx**: ``attnx.cached_attention(query, cache)``, where ``cache = attnx.KVCache(1, Hkv,
   max_len, 128, dtype)`` is filled to ``length`` once, before timing. ``max_len`` is the largest
@@ -58,14 +62,18 @@ The helpers of ``compare.py`` (imported from beside this file) do the timing and
   on ``max_len``).
 * FLOPs per step = ``4 * 32 * length * 128`` (q.k^T and p.v for every query head); grouped heads
   share the bytes but not the arithmetic, so attnx's GFLOP/s is reported next to its GB/s.
-* Bytes per step = the K and V read once: ``length * Hkv * 128 * 2 * itemsize``. attnx's GB/s is
+* Bytes per step = the K and V read once: ``length * Hkv * 128 * 2 * itemsize`` (int8: plus the
+  float32 scale of each row, ``length * Hkv * 2 * 4``). attnx's GB/s is
   that over its median time, and its fraction of the read bandwidth that ``compare.py``'s
   ``measure_read_bandwidth`` achieves over a buffer of the same size, measured just before that
   row (K and V are re-read every step, so they sit in whichever cache level holds them). "fits L3"
   compares the K+V size with the L3 size (sysfs, else ``lscpu``) only: near the L3 size, other
   data and other tenants evict part of it, which the same-size bandwidth shows. For K+V of a few
   MiB or less, per-call overhead is a large part of both times, so that fraction is indicative
-  only. The read bandwidth over 512 MiB (DRAM) is reported too.
+  only. The read bandwidth over 512 MiB (DRAM) is reported too, and attnx's fraction of the FP32
+  multiply-add peak that ``compare.py``'s ``measure_fma_peak`` measures on the same threads: with
+  grouped heads every key and value element takes (32 / Hkv) multiply-adds, so a cache of 2-byte
+  or 1-byte elements can be bound by the arithmetic rather than by the bytes.
 * The share of the machine's CPU time used by other processes during the run is reported
   (``--wait-quiet`` waits for a quiet machine first).
 """
@@ -99,8 +107,28 @@ Q_HEADS = 32
 HEAD_DIM = 128
 LENGTHS = (128, 512, 2048, 8192, 32768)
 QUICK_LENGTHS = (128, 2048)
-DTYPES = ("float32", "float16")
-TOLERANCE = {"float32": 2e-4, "float16": 2e-3}
+DTYPES = ("float32", "float16", "bfloat16", "int8")
+DEFAULT_DTYPES = ("float32", "float16")
+# int8: the quantization's own error (unit-normal rows), against the unquantized reference.
+TOLERANCE = {"float32": 2e-4, "float16": 2e-3, "bfloat16": 1.6e-2, "int8": 3e-2}
+
+
+def data_dtype(dtype: str) -> np.dtype:
+    """The NumPy dtype of the keys, values and query of a `dtype` row: the cache's (bfloat16 from
+    ml_dtypes), float32 for an int8 cache (which quantizes float32 rows)."""
+    if dtype == "int8":
+        return np.dtype(np.float32)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def peer_supports(data: dict) -> None:
+    """Raises for a cache dtype only attnx has (the row reports the peer as n/a)."""
+    if data["cache_dtype"] == "int8":
+        raise NotImplementedError("no int8 KV cache")
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,14 +139,14 @@ TOLERANCE = {"float32": 2e-4, "float16": 2e-3}
 def make_cache_data(kv_heads: int, max_len: int, dtype: str, seed: int) -> dict[str, np.ndarray]:
     """Keys and values (1, Hkv, max_len, 128) and a query (1, 32, 1, 128), standard normal, in `dtype`."""
     rng = np.random.default_rng(seed)
-    dt = np.dtype(dtype)
+    dt = data_dtype(dtype)
     k = np.empty((1, kv_heads, max_len, HEAD_DIM), dt)
     v = np.empty_like(k)
     for h in range(kv_heads):  # per head, so float16 runs never hold a float32 copy of everything
         k[0, h] = rng.standard_normal((max_len, HEAD_DIM), dtype=np.float32)
         v[0, h] = rng.standard_normal((max_len, HEAD_DIM), dtype=np.float32)
     q = rng.standard_normal((1, Q_HEADS, 1, HEAD_DIM), dtype=np.float32).astype(dt)
-    return {"q": q, "k": k, "v": v}
+    return {"q": q, "k": k, "v": v, "cache_dtype": dtype}
 
 
 def reference_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int) -> np.ndarray:
@@ -162,7 +190,8 @@ def attnx_cache(data: dict, length: int, max_len: int):
     import attnx
 
     k, v = data["k"], data["v"]
-    cache = attnx.KVCache(1, k.shape[1], max_len, HEAD_DIM, k.dtype)
+    dtype = np.int8 if data["cache_dtype"] == "int8" else k.dtype
+    cache = attnx.KVCache(1, k.shape[1], max_len, HEAD_DIM, dtype)
     cache.append(k[:, :, :length], v[:, :, :length])
     return cache
 
@@ -179,6 +208,7 @@ def setup_attnx(data: dict, length: int, threads: int, opts) -> Bench:
 
 def setup_torch(data: dict, length: int, threads: int, opts) -> Bench:
     torch = import_optional("torch")
+    peer_supports(data)
     torch.set_num_threads(threads)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     q = torch.from_numpy(data["q"])
@@ -312,6 +342,7 @@ def setup_ort_mha(data: dict, length: int, threads: int, opts) -> Bench:
 def setup_onnxruntime(data: dict, length: int, threads: int, opts) -> Bench:
     """GroupQueryAttention where it runs and agrees with the reference, else MultiHeadAttention."""
     import_optional("onnxruntime")
+    peer_supports(data)
     if opts.ort_op in ("auto", "gqa"):
         try:
             bench = setup_ort_gqa(data, length, threads, opts)
@@ -385,7 +416,9 @@ def cpu_caches() -> dict:
 
 
 def kv_bytes(length: int, kv_heads: int, dtype: str) -> int:
-    return length * kv_heads * HEAD_DIM * 2 * np.dtype(dtype).itemsize
+    if dtype == "int8":  # a byte per element and a float32 scale per row
+        return length * kv_heads * 2 * (HEAD_DIM + 4)
+    return length * kv_heads * HEAD_DIM * 2 * data_dtype(dtype).itemsize
 
 
 def step_flops(length: int) -> int:
@@ -459,6 +492,7 @@ def add_comparisons(row: dict, peaks: dict, caches: dict) -> None:
         row["attnx_gflops"] = a["gflops"]
         row["attnx_fraction_of_dram_bw"] = gbs / peaks["read_bandwidth"]["gbs"]
         row["attnx_fraction_of_same_size_bw"] = gbs / same["gbs"] if same else None
+        row["attnx_fraction_of_fma_peak"] = a["gflops"] / peaks["fma"]["gflops"] if peaks.get("fma") else None
 
 
 def same_size_bandwidth(nbytes: int, threads: int, opts) -> dict | None:
@@ -478,7 +512,7 @@ def run_worker(threads: int, opts) -> dict:
     caches = cpu_caches()
     log(f"[threads={threads}] measuring the DRAM read bandwidth ...")
     peaks = {"read_bandwidth": compare.measure_read_bandwidth(threads, 512, 2 if opts.quick else 5),
-             "working_set_bandwidth": {}}
+             "fma": compare.measure_fma_peak(threads), "working_set_bandwidth": {}}
     rows = []
     progress = Progress(len(opts.dtypes) * len(opts.lengths) * opts.rounds, f"threads={threads}", unit="round",
                         enabled=not opts.no_progress)
@@ -531,7 +565,8 @@ def fmt_bytes(n: float) -> str:
 
 def markdown_table(run: dict) -> str:
     head = ["dtype", "cache length", "K+V read", "fits L3", "attnx us", "torch us", "onnxruntime us",
-            "best peer", "speed-up", "attnx GB/s", "read BW, same size GB/s", "% of read BW", "attnx GFLOP/s"]
+            "best peer", "speed-up", "attnx GB/s", "read BW, same size GB/s", "% of read BW", "attnx GFLOP/s",
+            "% of FMA peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in run["rows"]:
         same = r.get("read_bw_same_size")
@@ -546,6 +581,8 @@ def markdown_table(run: dict) -> str:
         frac = r.get("attnx_fraction_of_same_size_bw")
         cells.append(f"{100 * frac:.0f}%" if frac is not None else "-")
         cells.append(f"{r['attnx_gflops']:.1f}" if "attnx_gflops" in r else "-")
+        fma = r.get("attnx_fraction_of_fma_peak")
+        cells.append(f"{100 * fma:.0f}%" if fma is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -603,7 +640,11 @@ def print_report(report: dict) -> None:
     print("caches: " + ", ".join(f"{name} {fmt_bytes(x['bytes'])} (CPUs {x['shared_cpu_list']})"
                                  for name, x in caches.items() if x.get("bytes")))
     dram = run["peaks"]["read_bandwidth"]
-    print(f"read bandwidth over {dram['mib']} MiB (DRAM): {dram['gbs']:.1f} GB/s ({dram['by']}).\n")
+    print(f"read bandwidth over {dram['mib']} MiB (DRAM): {dram['gbs']:.1f} GB/s ({dram['by']}).")
+    fma = run["peaks"].get("fma")
+    if fma:
+        print(f"FP32 multiply-add peak: {fma['gflops']:.1f} GFLOP/s ({fma.get('by', 'attnx probe')}).")
+    print()
     print(markdown_table(run))
     background = run.get("background_cpu_fraction")
     if background is not None:
@@ -639,7 +680,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="threads for every library (default 2)")
     p.add_argument("--lengths", type=int, nargs="+", help=f"cache lengths (default {' '.join(map(str, LENGTHS))}; "
                    f"--quick: {' '.join(map(str, QUICK_LENGTHS))})")
-    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="cache dtypes (default both)")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DEFAULT_DTYPES),
+                   help="cache dtypes (default float32 float16; bfloat16 needs ml_dtypes; int8 is attnx's alone)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads, a divisor of 32 (default 8; 32: no grouping)")
     p.add_argument("--libs", nargs="+", default=list(LIBRARIES), choices=LIBRARIES, help="libraries (attnx always runs)")
     p.add_argument("--ort-op", choices=("auto", "gqa", "mha"), default="auto",

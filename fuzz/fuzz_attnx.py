@@ -67,6 +67,7 @@ from attnx._canonical import sdpa_options
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 F16 = np.dtype(np.float16)
+I8 = np.dtype(np.int8)  # KVCache storage only: rows quantized with a float32 scale each
 try:  # bfloat16 storage, where ml_dtypes is installed (the test tools include it)
     import ml_dtypes
 
@@ -1185,9 +1186,18 @@ def fuzz_core_mha_weights(p: Provider, dtype):
         OUTCOMES["_core.mha: self-attention checked"] += 1
 
 
+def cache_contents(cache):
+    """The keys and values of `cache` as float64: an int8 cache's rows times their scales."""
+    if cache.dtype == I8:
+        return (cache.key.astype(np.float64) * cache.key_scales[..., None],
+                cache.value.astype(np.float64) * cache.value_scales[..., None])
+    return np.asarray(cache.key, np.float64), np.asarray(cache.value, np.float64)
+
+
 def held(cache):
-    """Copies of the keys and values each sequence of `cache` holds."""
-    return [(cache.key[b, :, :m].copy(), cache.value[b, :, :m].copy()) for b, m in enumerate(cache.lengths)]
+    """Copies of the keys and values each sequence of `cache` holds (as float64)."""
+    key, value = cache_contents(cache)
+    return [(key[b, :, :m].copy(), value[b, :, :m].copy()) for b, m in enumerate(cache.lengths)]
 
 
 def same_held(a, b) -> bool:
@@ -1237,7 +1247,8 @@ def fuzz_cache(p: Provider):
     """A KVCache filled over a few steps of cached_attention (ragged lengths, GQA, windows,
     float16 storage), each result against the reference over the cache's contents; a
     malformed argument must raise before anything is appended."""
-    dtype = p.choice([F32, F32, F64] + HALVES)
+    dtype = p.choice([F32, F32, F64, I8] + HALVES)
+    given = F32 if dtype == I8 else dtype  # the keys and values appended (int8: quantized)
     B, Hk, group = p.int(1, 3), p.int(1, 2), p.int(1, 3)
     D, Dv = p.choice([1, 4, 8, 17]), p.choice([None, 3, 8])
     ctor = [B, Hk, p.choice([1, 5, 40, 600]), D, dtype]
@@ -1251,13 +1262,13 @@ def fuzz_cache(p: Provider):
         if p.bool(0.15):
             cache = reset_or_pickle(p, cache)
         T = p.choice([0, 1, 2, 7])
-        q_dtype = p.choice([dtype, F32] + HALVES) if dtype != F64 else F64
+        q_dtype = p.choice([given, F32] + HALVES) if dtype != F64 else F64
         args = {
             "query": values(p, (B, Hk * group, T, D), q_dtype),
-            "key": values(p, (B, Hk, T, D), dtype) if p.bool(0.8) else None,
+            "key": values(p, (B, Hk, T, D), given) if p.bool(0.8) else None,
             "lengths": None, "window": None,
         }
-        args["value"] = values(p, (B, Hk, T, Dv), dtype) if args["key"] is not None else None
+        args["value"] = values(p, (B, Hk, T, Dv), given) if args["key"] is not None else None
         if p.bool(0.4):
             args["lengths"] = np.random.default_rng(p.seed()).integers(0, T + 1, B)
         if p.bool(0.3):
@@ -1286,16 +1297,17 @@ def fuzz_cache(p: Provider):
             raise Disallowed("cached_attention: out= given but another array returned")
         q = np.asarray(args["query"])
         n = (np.full(B, q.shape[2]) if args["lengths"] is None else np.asarray(args["lengths"])).astype(np.int64)
+        key, value = cache_contents(cache)
         bf16 = precision == "bfloat16"
         as_computed = (lambda x: np.asarray(x, F32)) if bf16 else (lambda x: np.asarray(x, np.float64))
         expected = reference_of(lambda: reference.cached_attention(
-            as_computed(q), as_computed(cache.key), as_computed(cache.value),
-            cache.lengths, query_lengths=n, scale=args["scale"], window=args["window"], precision=precision))
+            as_computed(q), as_computed(key), as_computed(value), cache.lengths, query_lengths=n,
+            scale=args["scale"], window=args["window"], precision=precision))
         if expected is None:
             raise Disallowed("cached_attention: attnx computed a result for a call the reference rejects")
         scale = 1 / math.sqrt(D) if args["scale"] is None else args["scale"]
         try:
-            moderate = logits_moderate(q, np.asarray(cache.key), float(scale))
+            moderate = logits_moderate(q, key, float(scale))
         except (TypeError, ValueError):
             moderate = True  # a scale attnx accepted that is no number: the result is compared
         # The cache decides the compute dtype (float64 only for a float64 cache); the result
@@ -1303,11 +1315,10 @@ def fuzz_cache(p: Provider):
         compute = np.dtype(F64 if cache.dtype == F64 else F32)
         tolerance = got.dtype if got.dtype.itemsize <= compute.itemsize else compute
         if bf16:
-            tolerance = bf16_tolerance([cache.value])
+            tolerance = bf16_tolerance([value])
             if got.dtype.itemsize == 2:  # and the result's own rounding
                 tolerance["rtol"] += TOL[got.dtype]["rtol"]
-        compare(got, expected, np.dtype(got.dtype), "cached_attention", [q, cache.key, cache.value],
-                moderate, tolerance)
+        compare(got, expected, np.dtype(got.dtype), "cached_attention", [q, key, value], moderate, tolerance)
 
 
 STEP_ARRAYS = ["query", "in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias",
@@ -1348,8 +1359,8 @@ def step_expected(a, cache, before, n, bf16=False):
     b_out = np.zeros(w_out.shape[0], run) if a["out_proj_bias"] is None else param("out_proj_bias", (w_out.shape[0],))
     qkv = reference._linear(xb, w_in, b_in, bf16)
     q, k, v = (qkv[..., i * E:(i + 1) * E].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3))
-    attn = reference.cached_attention(q, np.asarray(cache.key, run), np.asarray(cache.value, run),
-                                      before + n, query_lengths=n, precision="bfloat16" if bf16 else None)
+    attn = reference.cached_attention(q, *(np.asarray(x, run) for x in cache_contents(cache)), before + n,
+                                      query_lengths=n, precision="bfloat16" if bf16 else None)
     out = reference._linear(attn.transpose(0, 2, 1, 3).reshape(B, T, E), w_out, b_out, bf16)
     out = {"unbatched": lambda: out[0], "batch_first": lambda: out, "seq_first": lambda: out.transpose(1, 0, 2)}[layout]()
     return q, k, v, out
@@ -1366,7 +1377,7 @@ def fuzz_step(p: Provider):
     H = p.int(1, 3)
     E, B = H * p.choice([1, 2, 4, 8]), p.int(1, 3)
     unbatched = B == 1 and p.bool(0.3)
-    cache = attnx.KVCache(B, H, p.choice([1, 4, 16, 40]), E // H, p.choice([dtype, dtype] + HALVES))
+    cache = attnx.KVCache(B, H, p.choice([1, 4, 16, 40]), E // H, p.choice([dtype, dtype, I8] + HALVES))
     separate = p.bool(0.3)
     E_out = p.choice([E, E, 3])
 
@@ -1435,16 +1446,21 @@ def fuzz_step(p: Provider):
         compute = F64 if cache.dtype == F64 and query.dtype == F64 else F32
         result_dtype = query.dtype.newbyteorder("=")
         arrays = [x for x in inputs if x is not a["lengths"]]
-        keys = [cache.key[b, :, :m] for b, m in enumerate(cache.lengths)]
-        values_held = [cache.value[b, :, :m] for b, m in enumerate(cache.lengths)]
+        key, value = cache_contents(cache)
+        keys = [key[b, :, :m] for b, m in enumerate(cache.lengths)]
+        values_held = [value[b, :, :m] for b, m in enumerate(cache.lengths)]
         if well_scaled(input_arrays(arrays)):
             OUTCOMES["step: appended keys and values checked"] += 1
             stored = TOL[cache.dtype] if cache.dtype in HALVES else TOL[compute]
             for b, (m, t) in enumerate(zip(before, n)):
-                np.testing.assert_allclose(np.asarray(cache.key[b, :, m:m + t], np.float64), k[b, :, :t],
-                                           err_msg="step: appended keys", **stored)
-                np.testing.assert_allclose(np.asarray(cache.value[b, :, m:m + t], np.float64), v[b, :, :t],
-                                           err_msg="step: appended values", **stored)
+                for name, got_rows, want in (("keys", key, k), ("values", value, v)):
+                    want = want[b, :, :t]
+                    if cache.dtype == I8:  # within half a step of each row's scale, max|x| / 127
+                        step = np.abs(want).max(-1, keepdims=True) / 127 if want.size else 0
+                        assert np.all(np.abs(got_rows[b, :, m:m + t] - want) <= 0.5 * step * (1 + 1e-5) + 1e-30), \
+                            f"step: appended {name}"
+                        continue
+                    np.testing.assert_allclose(got_rows[b, :, m:m + t], want, err_msg=f"step: appended {name}", **stored)
         moderate = all(logits_moderate(q[b], keys[b], 1 / math.sqrt(E // H)) for b in range(B))
         tolerance = result_dtype if result_dtype.itemsize < compute.itemsize else compute
         if bf16:
@@ -1501,6 +1517,9 @@ LAYER_EPS = [1e-5, 1e-5, 1e-5, 1e-3, 1e-9, 0.25, 0.0]
 UNIT = {F32: 2.0**-24, F64: 2.0**-53, F16: 2.0**-11}
 if BF16 is not None:
     UNIT[BF16] = 2.0**-8
+# An int8 cache's row holds each value to half a step of its scale, max|x| / 127: 2^-8 of the
+# row's largest, more of its smaller values; taken as 2^-7.
+UNIT[I8] = 2.0**-7
 # Base tolerances of a transformer layer's result (a chain of projections, softmaxes and norms);
 # an ill-conditioned input (a norm's row of tiny variance, logits that cancel) widens them by
 # the spread of the reference itself between float32 and float64 (see compare_layer).
@@ -1995,7 +2014,7 @@ def fuzz_transformer_step(p: Provider):
     batch_first = layer.batch_first
     B = p.int(1, 3)
     batched = not (B == 1 and p.bool(0.3))
-    cache = decoder.new_cache(B, p.choice([1, 3, 6, 10]), p.choice([dtype, dtype, dtype, F32, F64] + HALVES))
+    cache = decoder.new_cache(B, p.choice([1, 3, 6, 10]), p.choice([dtype, dtype, dtype, F32, F64, I8] + HALVES))
     unit = max(UNIT[dtype], UNIT[cache.dtype])
     params = layer_params(decoder, dtype)
 
@@ -2039,9 +2058,9 @@ def fuzz_transformer_step(p: Provider):
             if expected is None or spread is None:
                 raise Disallowed("TransformerDecoder.step: results where the reference rejects the decoder")
             got = np.array([outputs[b] for b in bs], dtype)
-            if cache.dtype in HALVES and UNIT[cache.dtype] * conditioning > 0.02:
+            if (cache.dtype in HALVES or cache.dtype == I8) and UNIT[cache.dtype] * conditioning > 0.02:
                 # A norm of a row whose values nearly cancel (as two near-equal values of a
-                # d_model of 2 do) amplifies the rounding of half-precision keys and values past
+                # d_model of 2 do) amplifies the rounding of half-precision or int8 keys and values past
                 # any tolerance: such decodes are not compared.
                 OUTCOMES["TransformerDecoder.step: not comparable (half-precision cache, a norm ill-conditioned)"] += 1
                 continue

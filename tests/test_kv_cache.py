@@ -156,7 +156,7 @@ def test_append_errors(rng):
         (dict(max_len=-1), ValueError, "max_len must be a positive integer"),
         (dict(head_dim=True), TypeError, "head_dim must be a positive integer"),
         (dict(value_dim=0), ValueError, "value_dim must be a positive integer"),
-        (dict(dtype=np.int32), TypeError, "dtype must be float32, float64, float16 or bfloat16"),
+        (dict(dtype=np.int32), TypeError, "dtype must be float32, float64, float16, bfloat16 or int8"),
         (dict(dtype=np.complex64), TypeError, "dtype must be"),
         (dict(dtype="nonsense"), TypeError, "dtype must be"),
         (dict(dtype=np.longdouble), TypeError, "dtype must be"),

@@ -395,7 +395,8 @@ def test_isa_code_is_included_only_where_its_flags_apply():
     # per ISA includes them (or the simd headers one another), and it includes its own vector
     # type alone.
     csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
-    own_vector_type = {"avx2": "vec_avx2.h", "avx512": "vec_avx512.h", "scalar": "vec_portable.h"}
+    own_vector_type = {"avx2": "vec_avx2.h", "avx512": "vec_avx512.h", "avx512_bf16": "vec_avx512.h",
+                       "scalar": "vec_portable.h"}
     sources = [p for p in csrc.rglob("*") if p.suffix in (".h", ".cpp")]
     assert len(sources) > 20, f"no sources found under {csrc}"
     units = {}

@@ -36,10 +36,14 @@ void injected_fault(StepStage stage) {
     throw std::bad_alloc();
 }
 
-// n values of T into the cache's element type at dst.
+// n values of T into the cache's element type at dst (int8: quantized, its
+// scale into *scale).
 template <typename T>
-void store_row(const T* src, int64_t n, CacheElement element, void* dst) {
+void store_row(const T* src, int64_t n, CacheElement element, void* dst, float* scale) {
   switch (element) {
+    case CacheElement::kInt8:
+      *scale = quantize_int8(src, n, static_cast<int8_t*>(dst));
+      break;
     case CacheElement::kFloat32:
       std::copy_n(src, n, static_cast<float*>(dst));
       break;
@@ -59,6 +63,7 @@ size_t element_size(CacheElement element) {
   switch (element) {
     case CacheElement::kFloat64: return 8;
     case CacheElement::kFloat32: return 4;
+    case CacheElement::kInt8: return 1;
     default: return 2;
   }
 }
@@ -80,20 +85,37 @@ StridedView<U, 4> step_heads(U* data, int64_t B, int64_t T, int64_t H, int64_t h
 
 // The cache as sdpa reads it, in the attention's type A.
 template <typename A>
-StoredView<A> cache_view(const CacheArrays& c, void* data, int64_t dim) {
+StoredView<A> cache_view(const CacheArrays& c, void* data, const float* scales, int64_t dim) {
   StoredView<A> v;
   const int64_t shape[4] = {c.batch, c.heads, c.max_len, dim};
   const int64_t stride[4] = {c.heads * c.max_len * dim, c.max_len * dim, dim, 1};
-  const bool half = c.element == CacheElement::kFloat16 || c.element == CacheElement::kBFloat16;
-  if (half) {
-    v.storage = c.element == CacheElement::kFloat16 ? Storage::kFloat16 : Storage::kBFloat16;
-    v.bits.data = static_cast<const uint16_t*>(data);
-  } else {
-    v.native.data = static_cast<const A*>(data);
-  }
-  for (int d = 0; d < 4; ++d) {
-    (half ? v.bits.shape : v.native.shape)[d] = shape[d];
-    (half ? v.bits.stride : v.native.stride)[d] = shape[d] > 1 ? stride[d] : 0;
+  const auto fill = [&](auto& view) {
+    for (int d = 0; d < 4; ++d) {
+      view.shape[d] = shape[d];
+      view.stride[d] = shape[d] > 1 ? stride[d] : 0;
+    }
+  };
+  switch (c.element) {
+    case CacheElement::kFloat16:
+    case CacheElement::kBFloat16:
+      v.storage = c.element == CacheElement::kFloat16 ? Storage::kFloat16 : Storage::kBFloat16;
+      v.bits.data = static_cast<const uint16_t*>(data);
+      fill(v.bits);
+      break;
+    case CacheElement::kInt8:
+      v.storage = Storage::kInt8;
+      v.q8.data = static_cast<const int8_t*>(data);
+      fill(v.q8);
+      v.scales.data = scales;
+      for (int d = 0; d < 3; ++d) {
+        v.scales.shape[d] = shape[d];
+        v.scales.stride[d] = shape[d] > 1 ? stride[d] / dim : 0;
+      }
+      break;
+    default:
+      v.native.data = static_cast<const A*>(data);
+      fill(v.native);
+      break;
   }
   return v;
 }
@@ -122,8 +144,8 @@ void attend(const MhaStepArgs<T>& a, const T* qkv, const int64_t* key_lengths,
   SdpaArgs<A> s;
   const int64_t q_row = std::is_same_v<T, A> ? 3 * E : E;
   s.query = step_heads<const A>(q_rows, B, Tn, H, hd, q_row, 0, a.batch_first);
-  s.key = cache_view<A>(a.cache, a.cache.key, hd);
-  s.value = cache_view<A>(a.cache, a.cache.value, hd);
+  s.key = cache_view<A>(a.cache, a.cache.key, a.cache.key_scales, hd);
+  s.value = cache_view<A>(a.cache, a.cache.value, a.cache.value_scales, hd);
   s.mask_cols = a.cache.max_len;
   s.range.causal = true;
   s.range.bottom_right = true;
@@ -166,11 +188,14 @@ void mha_step(const MhaStepArgs<T>& a) {
     for (int64_t h = 0; h < H; ++h)
       for (int64_t t = 0; t < n; ++t) {
         const int64_t r = a.batch_first ? b * Tn + t : t * B + b;
-        const int64_t slot = ((b * H + h) * a.cache.max_len + start + t) * hd;
+        const int64_t row = (b * H + h) * a.cache.max_len + start + t, slot = row * hd;
+        const bool q8 = a.cache.element == CacheElement::kInt8;
         store_row(qkv.data() + r * 3 * E + E + h * hd, hd, a.cache.element,
-                  static_cast<char*>(a.cache.key) + slot * item);
+                  static_cast<char*>(a.cache.key) + slot * item,
+                  q8 ? a.cache.key_scales + row : nullptr);
         store_row(qkv.data() + r * 3 * E + 2 * E + h * hd, hd, a.cache.element,
-                  static_cast<char*>(a.cache.value) + slot * item);
+                  static_cast<char*>(a.cache.value) + slot * item,
+                  q8 ? a.cache.value_scales + row : nullptr);
       }
   }
 

@@ -5,6 +5,10 @@
 // loops stay simple for the compiler.
 #include "attention/narrowing.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
 #include <cstring>
 
 namespace attnx {
@@ -95,6 +99,38 @@ void narrow_to_bfloat16(const float* src, int64_t n, uint16_t* dst) {
 void narrow_to_bfloat16(const double* src, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; ++i)
     dst[i] = bfloat16_of_bits(bits_of(static_cast<float>(src[i])));
+}
+
+namespace {
+
+template <typename S>
+float quantize_int8_row(const S* src, int64_t n, int8_t* dst) {
+  float amax = 0;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(static_cast<float>(src[i]));
+    finite = finite && a <= std::numeric_limits<float>::max();
+    amax = a > amax ? a : amax;
+  }
+  const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  if (!(scale > 0)) {  // zeros, NaN
+    std::fill(dst, dst + n, int8_t(0));
+    return scale;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint(static_cast<float>(src[i]) / scale);  // to nearest even
+    dst[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  }
+  return scale;
+}
+
+}  // namespace
+
+float quantize_int8(const float* src, int64_t n, int8_t* dst) {
+  return quantize_int8_row(src, n, dst);
+}
+float quantize_int8(const double* src, int64_t n, int8_t* dst) {
+  return quantize_int8_row(src, n, dst);
 }
 
 }  // namespace attnx

@@ -32,4 +32,13 @@ void narrow_to_float16(const double* src, int64_t n, uint16_t* dst);
 void narrow_to_bfloat16(const float* src, int64_t n, uint16_t* dst);
 void narrow_to_bfloat16(const double* src, int64_t n, uint16_t* dst);
 
+// One row of an int8 cache, quantized symmetrically in one pass over x = float32(src[i]),
+// i in [0, n): scale = max |x| / 127 (a float32 division), dst[i] = x / scale rounded to
+// nearest even and clipped to [-127, 127]; the scale is returned. A row whose values are all
+// zero, or so small that the scale is 0, gives scale 0 and zeros. A row holding a NaN or an
+// infinity gives scale NaN and zeros: each of its elements then reads as NaN (0 * NaN), so
+// that a non-finite input reaches the rows that attend it, as in a float cache.
+float quantize_int8(const float* src, int64_t n, int8_t* dst);
+float quantize_int8(const double* src, int64_t n, int8_t* dst);
+
 }  // namespace attnx

@@ -16,27 +16,39 @@
 namespace attnx::sdpa {
 
 // Rows of one (b, head) of the keys or the values, as T: read in place, or
-// widened from 16-bit storage into a buffer one block at a time.
+// widened from 16-bit or int8 storage into a buffer one block at a time.
 template <typename T>
 struct RowReader {
   const T* native = nullptr;
   const uint16_t* bits = nullptr;
   int bits_kind = 0;  // 0 float16, 1 bfloat16: the index of the 16-bit row kernels
+  const int8_t* q8 = nullptr;      // int8 rows, row j scaled by scales[j]
+  const float* scales = nullptr;
   int64_t ld = 0, dim = 0;
   void (*widen)(const uint16_t*, int64_t, float*) = nullptr;
+  void (*widen_int8)(const int8_t*, int64_t, T, T*) = nullptr;
+
+  // Whether the rows are read in place by the kernels that take the storage
+  // itself (16-bit or int8), rather than as T.
+  bool stored() const { return bits || q8; }
 
   // Rows [j0, j0 + n); sets row_stride. buf holds n * dim values.
   const T* rows(int64_t j0, int64_t n, T* buf, int64_t& row_stride) const {
-    if (!bits) {
+    if (!stored()) {
       row_stride = ld;
       return native + j0 * ld;
     }
     if constexpr (std::is_same_v<T, float>) {
-      const uint16_t* src = bits + j0 * ld;
-      if (ld == dim) {
-        widen(src, n * dim, buf);
+      if (q8) {
+        for (int64_t j = 0; j < n; ++j)
+          widen_int8(q8 + (j0 + j) * ld, dim, scales[j0 + j], buf + j * dim);
       } else {
-        for (int64_t j = 0; j < n; ++j) widen(src + j * ld, dim, buf + j * dim);
+        const uint16_t* src = bits + j0 * ld;
+        if (ld == dim) {
+          widen(src, n * dim, buf);
+        } else {
+          for (int64_t j = 0; j < n; ++j) widen(src + j * ld, dim, buf + j * dim);
+        }
       }
     }
     row_stride = dim;
@@ -52,14 +64,59 @@ RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_
   if (v.storage == Storage::kNative) {
     r.native = v.native.at(b, h);
   } else if constexpr (std::is_same_v<T, float>) {
-    r.bits = v.bits.at(b, h);
-    r.bits_kind = v.storage == Storage::kFloat16 ? 0 : 1;
-    r.widen = v.storage == Storage::kFloat16 ? kt.widen_float16 : kt.widen_bfloat16;
+    if (v.storage == Storage::kInt8) {
+      r.q8 = v.q8.at(b, h);
+      r.scales = v.scales.at(b, h);
+      r.widen_int8 = kt.widen_int8;
+    } else {
+      r.bits = v.bits.at(b, h);
+      r.bits_kind = v.storage == Storage::kFloat16 ? 0 : 1;
+      r.widen = v.storage == Storage::kFloat16 ? kt.widen_float16 : kt.widen_bfloat16;
+    }
   }
   return r;
 }
 
+// The cache lines of `rows` rows of `cols` elements of T, `ld` apart.
+template <typename T>
+LineRange row_lines(const T* first_row, int64_t ld, int64_t rows, int64_t cols) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(first_row);
+  const int64_t offset = int64_t(start % 64);
+  LineRange lines;
+  lines.first = start - uintptr_t(offset);
+  lines.ld_bytes = ld * int64_t(sizeof(T));
+  lines.row_lines = (offset + cols * int64_t(sizeof(T)) + 63) / 64;
+  lines.end = rows * lines.row_lines;
+  return lines;
+}
 
+// The cache lines of rows j0 .. j0 + rows - 1 of (b, h) of a key or value
+// array, as it is stored.
+template <typename T>
+LineRange stored_row_lines(const StoredView<T>& v, int64_t b, int64_t h, int64_t j0,
+                           int64_t rows) {
+  if (v.storage == Storage::kNative)
+    return row_lines(v.native.at(b, h, j0), v.native.stride[2], rows, v.native.shape[3]);
+  if (v.storage == Storage::kInt8)
+    return row_lines(v.q8.at(b, h, j0), v.q8.stride[2], rows, v.q8.shape[3]);
+  return row_lines(v.bits.at(b, h, j0), v.bits.stride[2], rows, v.bits.shape[3]);
+}
+
+// Asks for the next `count` lines of `lines` (from lines.begin) to be
+// brought into L2 (not L1, where the block being computed is).
+inline void request_lines_to_l2(LineRange& lines, int64_t count) {
+  count = std::min(count, lines.size());
+  if (count <= 0) return;
+  int64_t row = lines.begin / lines.row_lines, line = lines.begin - row * lines.row_lines;
+  uintptr_t row_start = lines.first + uintptr_t(row * lines.ld_bytes);
+  for (int64_t k = 0; k < count; ++k) {
+#if defined(__GNUC__)
+    __builtin_prefetch(reinterpret_cast<const void*>(row_start + uintptr_t(line * 64)), 0, 2);
+#endif
+    if (++line == lines.row_lines) line = 0, row_start += uintptr_t(lines.ld_bytes);
+  }
+  lines.begin += count;
+}
 
 // A whole row's scores p[0..n), masked (closed keys -inf), made its
 // probabilities: zeros for a row with no open key; else max-subtracted

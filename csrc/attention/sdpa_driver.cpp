@@ -65,7 +65,7 @@ SdpaShape describe(const SdpaArgs<T>& a) {
   const auto stored = [](const StoredView<T>& v) {
     StoredShape s;
     s.native = v.storage == Storage::kNative;
-    s.element_size = int(s.native ? sizeof(T) : sizeof(uint16_t));
+    s.element_size = v.element_size();
     s.batch_broadcast = v.stride(0) == 0;
     s.head_broadcast = v.stride(1) == 0;
     return s;

@@ -56,12 +56,13 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
 
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
   const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
-  // 16-bit keys and values are read straight from storage by the 16-bit row
-  // kernels, widened in registers, for up to 4 rows (decoding, grouped heads
-  // included); for more rows a block is widened once into a buffer and read
-  // from there by every row: for a few rows, widening again for each costs
-  // less than storing the block and loading it back (see docs/tuning.md).
-  const bool direct_keys = rows <= 4 && keys.bits, direct_values = rows <= 4 && values.bits;
+  // 16-bit and int8 keys and values are read straight from storage by their
+  // row kernels, widened in registers, for up to 4 rows (decoding, grouped
+  // heads included); for more rows a block is widened once into a buffer and
+  // read from there by every row: for a few rows, widening again for each
+  // costs less than storing the block and loading it back (see docs/tuning.md).
+  const bool direct_keys = rows <= 4 && keys.stored();
+  const bool direct_values = rows <= 4 && values.stored();
   const int n_rows = static_cast<int>(rows);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
     // A block of source keys is cut to the rows' keys, or skipped.
@@ -69,13 +70,18 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     if (part.empty()) continue;
     const int64_t start = part.lo, n = part.hi - part.lo;
     int64_t ldk = 0, ldv = 0;
+    LineRange lead = stored_row_lines(a.value, b, kv_head, start, std::min(n, kBlockLeadRows));
+    request_lines_to_l2(lead, lead.size());
     const T* kb = direct_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
     const T* vb = direct_values ? nullptr : values.rows(start, n, v_buf, ldv);
     // (1) the scores of every row: the kernel takes a few rows through each
     // key at once; the first of them read the block from memory, the others
     // from cache.
     if constexpr (std::is_same_v<T, float>) {
-      if (direct_keys)
+      if (direct_keys && keys.q8)
+        kt.scores_int8(q_rows, n_rows, keys.q8 + start * keys.ld, keys.ld, keys.scales + start,
+                       n, E, a.query_scale(), s_rows, true);
+      else if (direct_keys)
         kt.scores_16bit[keys.bits_kind](q_rows, n_rows, keys.bits + start * keys.ld, keys.ld, n,
                                         E, a.query_scale(), s_rows, true);
     }
@@ -116,10 +122,21 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
       acc_plain[plain++] = acc_r;
     }
     if (plain == 0) continue;
+    if (j0 + kKeyBlock < j_end) {
+      lead = stored_row_lines(a.key, b, kv_head, j0 + kKeyBlock,
+                              std::min(j_end - j0 - kKeyBlock, kBlockLeadRows));
+      request_lines_to_l2(lead, lead.size());
+    }
     if (direct_values) {
-      if constexpr (std::is_same_v<T, float>)
-        kt.accumulate_pv_16bit[values.bits_kind](p_plain, plain, values.bits + start * values.ld,
-                                                 values.ld, n, Ev, acc_plain, true);
+      if constexpr (std::is_same_v<T, float>) {
+        if (values.q8)
+          kt.accumulate_pv_int8(p_plain, plain, values.q8 + start * values.ld, values.ld,
+                                values.scales + start, n, Ev, acc_plain, true);
+        else
+          kt.accumulate_pv_16bit[values.bits_kind](p_plain, plain,
+                                                   values.bits + start * values.ld, values.ld, n,
+                                                   Ev, acc_plain, true);
+      }
     } else {
       kt.accumulate_pv(p_plain, plain, vb, ldv, n, Ev, acc_plain, values.native);
     }

@@ -13,6 +13,13 @@ namespace attnx::sdpa {
 constexpr int64_t kQueryBlock = 32;   // rows per task on the row path
 constexpr int64_t kKeyBlock = 128;    // keys per block on the row path
 constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multiple of kKeyBlock)
+// Rows of the next stream the row path asks for before a kernel starts on
+// the current one: the row kernels request rows a few ahead of their reads,
+// but only within their block, so each switch between the key and the value
+// stream (twice a block) would start with misses. The first rows of the
+// values are asked for before the scores, those of the next block's keys
+// before the values (measurements: docs/tuning.md).
+constexpr int64_t kBlockLeadRows = 8;
 
 // Scratch of one row-path task.
 template <typename T>

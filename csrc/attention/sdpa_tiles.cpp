@@ -39,45 +39,6 @@ void prefetch_rows(const T* first, int64_t ld, int64_t rows, int64_t bytes) {
 #endif
 }
 
-// The cache lines of `rows` rows of `cols` elements of T, `ld` apart.
-template <typename T>
-LineRange row_lines(const T* first_row, int64_t ld, int64_t rows, int64_t cols) {
-  const uintptr_t start = reinterpret_cast<uintptr_t>(first_row);
-  const int64_t offset = int64_t(start % 64);
-  LineRange lines;
-  lines.first = start - uintptr_t(offset);
-  lines.ld_bytes = ld * int64_t(sizeof(T));
-  lines.row_lines = (offset + cols * int64_t(sizeof(T)) + 63) / 64;
-  lines.end = rows * lines.row_lines;
-  return lines;
-}
-
-// The cache lines of rows j0 .. j0 + rows - 1 of (b, h) of a key or value
-// array, as it is stored.
-template <typename T>
-LineRange stored_row_lines(const StoredView<T>& v, int64_t b, int64_t h, int64_t j0,
-                           int64_t rows) {
-  if (v.storage == Storage::kNative)
-    return row_lines(v.native.at(b, h, j0), v.native.stride[2], rows, v.native.shape[3]);
-  return row_lines(v.bits.at(b, h, j0), v.bits.stride[2], rows, v.bits.shape[3]);
-}
-
-// Asks for the next `count` lines of `lines` (from lines.begin) to be
-// brought into L2 (not L1, where the block being computed is).
-inline void request_lines_to_l2(LineRange& lines, int64_t count) {
-  count = std::min(count, lines.size());
-  if (count <= 0) return;
-  int64_t row = lines.begin / lines.row_lines, line = lines.begin - row * lines.row_lines;
-  uintptr_t row_start = lines.first + uintptr_t(row * lines.ld_bytes);
-  for (int64_t k = 0; k < count; ++k) {
-#if defined(__GNUC__)
-    __builtin_prefetch(reinterpret_cast<const void*>(row_start + uintptr_t(line * 64)), 0, 2);
-#endif
-    if (++line == lines.row_lines) line = 0, row_start += uintptr_t(lines.ld_bytes);
-  }
-  lines.begin += count;
-}
-
 // Pieces of the gemms between requests: keys of the scores (a multiple of
 // the register tiles' 12 rows), columns of the values. The pieces sum
 // every output as the whole gemm does: the same bits.

@@ -169,7 +169,8 @@ class MhaWeights {
   bool result_is_compute_ = true;
 };
 
-// CacheArrays of a KVCache's storage (key, value, lengths), as KVCache.storage() gives them.
+// CacheArrays of a KVCache's storage (key, value, lengths), as KVCache.storage() gives them,
+// and for an int8 cache its scales, as KVCache.scales() gives them.
 inline CacheArrays cache_arrays(const py::object& cache) {
   const py::tuple storage = cache.attr("storage")();
   py::array key = storage[0].cast<py::array>(), value = storage[1].cast<py::array>();
@@ -184,6 +185,8 @@ inline CacheArrays cache_arrays(const py::object& cache) {
     c.element = CacheElement::kFloat16;
   else if (dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16")
     c.element = CacheElement::kBFloat16;
+  else if (dt.equal(py::dtype::of<int8_t>()))
+    c.element = CacheElement::kInt8;
   else
     throw py::type_error("cache: unsupported storage dtype " + std::string(py::str(dt)));
   for (const py::array* a : {&key, &value}) {
@@ -199,6 +202,20 @@ inline CacheArrays cache_arrays(const py::object& cache) {
   check_array<int64_t>(lengths, "cache lengths", 1, true, true);
   if (lengths.shape(0) != c.batch) throw py::value_error("cache lengths: wrong shape");
   c.lengths = static_cast<int64_t*>(lengths.mutable_data());
+  if (c.element == CacheElement::kInt8) {
+    const py::tuple scales = cache.attr("scales")();
+    float* data[2];
+    for (int i = 0; i < 2; ++i) {
+      py::array s = scales[i].cast<py::array>();
+      check_array<float>(s, "cache scales", 3, true, true);
+      if (!(s.flags() & py::array::c_style) || s.shape(0) != c.batch || s.shape(1) != c.heads ||
+          s.shape(2) != c.max_len)
+        throw py::value_error("cache scales: expected C-contiguous (batch, heads, max_len), got " +
+                              shape_string(s));
+      data[i] = static_cast<float*>(s.mutable_data());
+    }
+    c.key_scales = data[0], c.value_scales = data[1];
+  }
   return c;
 }
 

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention/narrowing.h"
 #include "attnx/attention.h"
 #include "bindings/array_views.h"
 #include "bindings/precision_option.h"
@@ -57,6 +58,8 @@ struct SdpaExtras {
   OptArray query_lengths;
   OptArray weights;
   OptArray scores;
+  OptArray key_scales;    // int8 keys: (B, Hk, S) float32, a scale per row
+  OptArray value_scales;  // int8 values: the same
 };
 
 void run_sdpa(const py::array& query, const py::array& key, const py::array& value,
@@ -100,11 +103,24 @@ StridedView<const T, 4> batched_mask_view(const py::array& mask, const char* nam
 }
 
 // Keys or values: an array of T, or, for a float32 call, of float16 or
-// bfloat16 (read in place and widened as they are loaded).
+// bfloat16 (read in place and widened as they are loaded), or of int8 with
+// a float32 scale per row in `scales` (B, H, S), rows contiguous.
 template <typename T>
-StoredView<T> stored_view(const py::array& a, const char* name) {
+StoredView<T> stored_view(const py::array& a, const char* name, const OptArray& scales) {
   const py::dtype dt = a.dtype();
   if constexpr (std::is_same_v<T, float>) {
+    if (dt.equal(py::dtype::of<int8_t>())) {
+      const std::string scales_name = std::string(name) + " scales";
+      if (!scales) throw py::type_error(std::string(name) + ": int8 needs a scale per row");
+      StoredView<T> v;
+      v.storage = Storage::kInt8;
+      v.q8 = const_view<int8_t, 4>(a, name);
+      v.scales = const_view<float, 3>(*scales, scales_name.c_str());
+      require_shape(v.scales, scales_name.c_str(), {v.q8.shape[0], v.q8.shape[1], v.q8.shape[2]});
+      if (v.q8.shape[2] > 1 && v.scales.stride[2] != 1)
+        throw py::value_error(scales_name + ": the last dimension must be contiguous");
+      return v;
+    }
     const bool float16 = dt.kind() == 'f' && dt.itemsize() == 2;
     // ml_dtypes' bfloat16 is a 2-byte type of its own, known by its name.
     const bool bfloat16 = dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16";
@@ -163,8 +179,8 @@ void run_sdpa_typed(const py::array& query, const py::array& key, const py::arra
                     const SdpaExtras& extras) {
   SdpaArgs<T> a;
   a.query = const_view<T, 4>(query, "query");
-  a.key = stored_view<T>(key, "key");
-  a.value = stored_view<T>(value, "value");
+  a.key = stored_view<T>(key, "key", extras.key_scales);
+  a.value = stored_view<T>(value, "value", extras.value_scales);
   const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
   const int64_t E = a.query.shape[3], Hk = a.key.shape(1), S = a.key.shape(2);
   const int64_t Ev = a.value.shape(3);
@@ -353,16 +369,48 @@ void register_sdpa(py::module_& m) {
       "cached_attention",
       [](const py::array& query, const py::array& key, const py::array& value,
          const py::array& key_lengths, const py::array& query_lengths,
-         const py::object& options, py::array& out) {
+         const py::object& options, py::array& out, const OptArray& key_scales,
+         const OptArray& value_scales) {
         run_sdpa(query, key, value, std::nullopt, options.cast<const SdpaOptions&>(), out,
-                 SdpaExtras{key_lengths, query_lengths, std::nullopt});
+                 SdpaExtras{key_lengths, query_lengths, std::nullopt, std::nullopt, key_scales,
+                            value_scales});
       },
       py::arg("query"), py::arg("key"), py::arg("value"), py::arg("key_lengths"),
       py::arg("query_lengths"), py::arg("options"), py::arg("out"),
+      py::arg("key_scales") = py::none(), py::arg("value_scales") = py::none(),
       "Attention of canonical (B, Hq, T, E) queries over a cache's (B, Hk, S, E) keys and\n"
       "values: row t of batch b is the newest but (query_lengths[b] - 1 - t) token of its\n"
       "sequence, which attends keys j < key_lengths[b] (bottom-right causal with the options'\n"
-      "window); rows t >= query_lengths[b] are zeros.");
+      "window); rows t >= query_lengths[b] are zeros. int8 keys and values (float32 query)\n"
+      "take their (B, Hk, S) float32 scales, one per row.");
+  m.def(
+      "quantize_int8",
+      [](const py::array& src, py::array& dst, py::array& scales) {
+        // src (N, D) float32 or float64, rows contiguous; dst (N, D) int8 and scales (N)
+        // float32, C-contiguous and writable: each row quantized as an int8 cache stores it.
+        const bool is_double = is_dtype(src, py::dtype::of<double>());
+        if (!is_double) check_array<float>(src, "src", 2, true, false);
+        else check_layout(src, "src", 2, true, false, 8);
+        const StridedView<int8_t, 2> q = mutable_view<int8_t, 2>(dst, "dst");
+        const StridedView<float, 1> s = mutable_view<float, 1>(scales, "scales");
+        const int64_t N = src.shape(0), D = src.shape(1);
+        if (q.shape[0] != N || q.shape[1] != D || s.shape[0] != N)
+          throw py::value_error("quantize_int8: src " + shape_string(src) + ", dst " +
+                                shape_string(dst) + " and scales " + shape_string(scales) +
+                                " do not agree");
+        const int64_t ld = N > 1 ? src.strides(0) / (is_double ? 8 : 4) : 0;
+        const void* data = src.data();
+        py::gil_scoped_release release;  // plain buffers, kept alive by the arguments
+        for (int64_t r = 0; r < N; ++r)
+          s.data[r * s.stride[0]] =
+              is_double ? quantize_int8(static_cast<const double*>(data) + r * ld, D,
+                                        q.data + r * q.stride[0])
+                        : quantize_int8(static_cast<const float*>(data) + r * ld, D,
+                                        q.data + r * q.stride[0]);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("scales"),
+      "Rows of src (N, D), float32 or float64, quantized into dst (N, D) int8 and scales (N)\n"
+      "float32, as an int8 KVCache stores them.");
 }
 
 }  // namespace attnx::bindings

@@ -39,7 +39,9 @@ const Bf16KernelTable& bf16_table(const std::optional<std::string>& table, const
   const Bf16KernelTable* found = bf16_kernels_of(level);
   if (found == nullptr)
     throw py::value_error(std::string(fn) + ": table '" + *table + "' is not in this build");
-  if (level > detect_cpu_isa())
+  // CPUID once: in a virtual machine each query traps to the host (microseconds).
+  static const Isa cpu = detect_cpu_isa();
+  if (level > cpu)
     throw py::value_error(std::string(fn) + ": table '" + *table + "' needs " +
                           isa_name(level) + ", which this CPU lacks");
   return *found;

@@ -122,7 +122,8 @@ Isa choose_isa(const std::string& requested) {
       throw std::invalid_argument("ATTNX_ISA='" + requested +
                                   "' but this build has no kernel for it (its best is '" +
                                   isa_name(kBestCompiledIsa) +
-                                  "': built for another CPU, or with ATTNX_X86_KERNELS=OFF)");
+                                  "': built for another CPU, with ATTNX_X86_KERNELS=OFF, or "
+                                  "avx512_bf16 by a compiler without -mavx512bf16)");
   }
   return wanted < kBestCompiledIsa ? wanted : kBestCompiledIsa;
 }

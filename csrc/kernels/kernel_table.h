@@ -141,12 +141,24 @@ struct KernelTable {
   // and nothing past dst[n-1] is written.
   void (*widen_float16)(const uint16_t* src, int64_t n, float* dst);   // IEEE binary16
   void (*widen_bfloat16)(const uint16_t* src, int64_t n, float* dst);  // bfloat16 (top half of a float32)
+  // dst[i] = scale * src[i]: an int8 row with its scale, as the int8 row kernels read it.
+  void (*widen_int8)(const int8_t* src, int64_t n, T scale, T* dst);
   // scores and accumulate_pv with keys / values read straight from 16-bit
   // storage, widened in registers ([0] float16, [1] bfloat16; float tables only).
   void (*scores_16bit[2])(const T* const* q, int rows, const uint16_t* k, int64_t ldk,
                           int64_t n_keys, int64_t dim, T scale, T* const* dst, bool stream);
   void (*accumulate_pv_16bit[2])(const T* const* p, int rows, const uint16_t* v, int64_t ldv,
                                  int64_t n_keys, int64_t dim, T* const* acc, bool stream);
+  // The same from int8 rows with a float32 scale per row (element j, i =
+  // scales[j] * x[j][i]; float tables only): dst[r][j] = scale * (scales[j] *
+  // <q[r], k_j>), and acc[r] += sum_j (p[r][j] * scales[j]) * v_j, the int8
+  // values converted exactly in registers.
+  void (*scores_int8)(const T* const* q, int rows, const int8_t* k, int64_t ldk,
+                      const float* scales, int64_t n_keys, int64_t dim, T scale, T* const* dst,
+                      bool stream);
+  void (*accumulate_pv_int8)(const T* const* p, int rows, const int8_t* v, int64_t ldv,
+                             const float* scales, int64_t n_keys, int64_t dim, T* const* acc,
+                             bool stream);
 
   // Transformer layers.
   // x[r * ld + j] = kind(x[r * ld + j]) for r < rows, j < cols (any count).

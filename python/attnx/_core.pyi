@@ -40,12 +40,17 @@ def sdpa(
 ) -> npt.NDArray[np.floating[Any]] | tuple[npt.NDArray[np.floating[Any]], npt.NDArray[np.floating[Any]]]: ...
 def cached_attention(
     query: npt.NDArray[np.floating[Any]],
-    key: npt.NDArray[np.floating[Any]],
-    value: npt.NDArray[np.floating[Any]],
+    key: npt.NDArray[np.floating[Any]] | npt.NDArray[np.int8],
+    value: npt.NDArray[np.floating[Any]] | npt.NDArray[np.int8],
     key_lengths: npt.NDArray[np.int64],
     query_lengths: npt.NDArray[np.int64],
     options: SdpaOptions,
     out: npt.NDArray[np.floating[Any]],
+    key_scales: npt.NDArray[np.float32] | None = None,
+    value_scales: npt.NDArray[np.float32] | None = None,
+) -> None: ...
+def quantize_int8(
+    src: npt.NDArray[np.floating[Any]], dst: npt.NDArray[np.int8], scales: npt.NDArray[np.float32]
 ) -> None: ...
 class MhaOptions:
     def __init__(

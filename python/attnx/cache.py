@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, SupportsIndex
 
 import numpy as np
 
+from . import _core
 from ._arrays import as_array, as_lengths, as_positive_int, is_floating, is_half, shape_str
 
 if TYPE_CHECKING:
@@ -28,8 +29,11 @@ if TYPE_CHECKING:
 __all__ = ["KVCache", "TransformerDecoderCache"]
 
 
+_DTYPES = "float32, float64, float16, bfloat16 or int8"
+
+
 def _storage_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
-    """float32, float64, float16 or bfloat16 (ml_dtypes, imported only when asked for by name)."""
+    """float32, float64, float16, bfloat16 (ml_dtypes, imported only when asked for by name) or int8."""
     if isinstance(dtype, str) and dtype == "bfloat16":
         try:
             import ml_dtypes
@@ -39,12 +43,12 @@ def _storage_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dtype!r}") from None
-    if dt.type in (np.float32, np.float64):
+        raise TypeError(f"dtype must be {_DTYPES}, got {dtype!r}") from None
+    if dt.type in (np.float32, np.float64, np.int8):
         return np.dtype(dt.type)
     if is_half(dt):
         return dt.newbyteorder("=")
-    raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {dt}")
+    raise TypeError(f"dtype must be {_DTYPES}, got {dt}")
 
 
 def _zeros_on_cache_line(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray[Any, Any]:
@@ -72,6 +76,25 @@ class CacheStorage(NamedTuple):
     lengths: IntArray
 
 
+class CacheScales(NamedTuple):
+    """The per-row scales of an int8 :class:`KVCache` (see :meth:`KVCache.scales`)."""
+
+    key: FloatArray
+    value: FloatArray
+
+
+def _quantize(x: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Each last-axis row of `x` (any float dtype) as an int8 cache stores it: (int8 rows, float32
+    scales of shape x.shape[:-1]); see :class:`KVCache`."""
+    if x.dtype not in (np.float32, np.float64):
+        x = x.astype(np.float32)
+    rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    q = np.empty(rows.shape, np.int8)
+    scales = np.empty(rows.shape[0], np.float32)
+    _core.quantize_int8(rows, q, scales)
+    return q.reshape(x.shape), scales.reshape(x.shape[:-1])
+
+
 class KVCache:
     """Keys and values of a batch of sequences, preallocated for ``max_len`` tokens each.
 
@@ -90,10 +113,18 @@ class KVCache:
         Tokens each sequence can hold.
     head_dim : int
         Width of a key (and of a query) per head.
-    dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, default numpy.float32
+    dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16", numpy.int8}, default numpy.float32
         Storage dtype. float16 and bfloat16 (``ml_dtypes.bfloat16``, or the
         string ``"bfloat16"`` with ml_dtypes installed) halve the memory and
         the bytes an attention step reads; they are computed in float32.
+        int8 quarters them: each appended key row and value row of each head
+        (its ``head_dim`` or ``value_dim`` values, taken as float32) is stored
+        as ``q = clip(rint(x / scale), -127, 127)`` (round half to even) with
+        its own float32 ``scale = max|x| / 127`` (see :meth:`scales`); it reads
+        as ``scale * q``, computed in float32. A row of zeros has scale 0. A
+        row holding NaN or an infinity gets scale NaN (and q = 0), so that
+        every score or output it reaches is NaN, as a non-finite input is
+        never silently dropped.
     value_dim : int, optional, keyword-only
         Width of a value per head (default ``head_dim``).
 
@@ -108,8 +139,11 @@ class KVCache:
         Tokens held per sequence (a read-only view).
     batch, num_kv_heads, max_len, head_dim, value_dim : int
     dtype : numpy.dtype
+    key_scales, value_scales : ndarray of float32, shape (batch, num_kv_heads, max_len), or None
+        The per-row scales of an int8 cache (read-only views); None for the
+        other dtypes.
     nbytes : int
-        Bytes of the key and value storage.
+        Bytes of the key and value storage (int8: their scales included).
 
     Notes
     -----
@@ -154,6 +188,9 @@ class KVCache:
         self._key = _zeros_on_cache_line(lead + (self._head_dim,), self._dtype)
         self._value = _zeros_on_cache_line(lead + (self._value_dim,), self._dtype)
         self._lengths = np.zeros(self._batch, np.int64)
+        self._scales = None
+        if self._dtype == np.int8:
+            self._scales = CacheScales(np.zeros(lead, np.float32), np.zeros(lead, np.float32))
 
     # ------------------------------------------------------------------------------------------
     # Read-only views and sizes
@@ -170,6 +207,14 @@ class KVCache:
     @property
     def lengths(self) -> IntArray:
         return _read_only(self._lengths)
+
+    @property
+    def key_scales(self) -> FloatArray | None:
+        return None if self._scales is None else _read_only(self._scales.key)
+
+    @property
+    def value_scales(self) -> FloatArray | None:
+        return None if self._scales is None else _read_only(self._scales.value)
 
     @property
     def batch(self) -> int:
@@ -197,7 +242,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self._key.nbytes + self._value.nbytes
+        scales = 0 if self._scales is None else self._scales.key.nbytes + self._scales.value.nbytes
+        return self._key.nbytes + self._value.nbytes + scales
 
     # ------------------------------------------------------------------------------------------
     # Updates
@@ -221,7 +267,8 @@ class KVCache:
         Parameters
         ----------
         key : array_like, shape (batch, num_kv_heads, T, head_dim)
-            Keys of ``T`` new tokens per sequence; converted to the cache's dtype.
+            Keys of ``T`` new tokens per sequence; converted to the cache's dtype
+        (int8: quantized row by row, see the class).
         value : array_like, shape (batch, num_kv_heads, T, value_dim)
             Values of the same tokens.
         lengths : array_like of int, shape (batch,), optional
@@ -262,18 +309,23 @@ class KVCache:
         else:
             new = as_lengths(lengths, self._batch, T, "lengths", f"T = {T}, the new tokens per sequence")
         self.check_room(new)
+        # (destination, source) pairs: nothing is written before every source is ready.
+        pairs = [(self._key, k), (self._value, v)]
+        if self._scales is not None:
+            (qk, sk), (qv, sv) = _quantize(k), _quantize(v)
+            pairs = [(self._key, qk), (self._value, qv), (self._scales.key, sk), (self._scales.value, sv)]
         start = self._lengths
         if lengths is None and (start == start[0]).all():
             # Every sequence at the same position: one block copy.
             s = int(start[0])
-            self._key[:, :, s : s + T] = k
-            self._value[:, :, s : s + T] = v
+            for dst, src in pairs:
+                dst[:, :, s : s + T] = src
         else:
             for b in range(self._batch):
                 s, n = int(start[b]), int(new[b])
                 if n:
-                    self._key[b, :, s : s + n] = k[b, :, :n]
-                    self._value[b, :, s : s + n] = v[b, :, :n]
+                    for dst, src in pairs:
+                        dst[b, :, s : s + n] = src[b, :, :n]
         self._lengths += new
 
     def check_room(self, new: IntArray) -> None:
@@ -330,6 +382,28 @@ class KVCache:
         """
         return CacheStorage(self._key, self._value, self._lengths)
 
+    def scales(self) -> CacheScales | None:
+        """The live per-row scales of an int8 cache, as :meth:`storage` gives its arrays.
+
+        Returns
+        -------
+        CacheScales or None
+            ``(key, value)``: the writable float32 scales ``(batch, num_kv_heads, max_len)`` of
+            the key and value rows (row ``j`` of head ``h`` of sequence ``b`` reads as
+            ``scales[b, h, j] * storage[b, h, j]``); None for a cache of another dtype.
+
+        Examples
+        --------
+        >>> import numpy as np, attnx
+        >>> cache = attnx.KVCache(1, 1, 4, 4, dtype=np.int8)
+        >>> cache.append(np.array([[[[0.5, -1.0, 0.25, 0.0]]]]), np.zeros((1, 1, 1, 4)))
+        >>> cache.key[0, 0, 0]
+        array([  64, -127,   32,    0], dtype=int8)
+        >>> float(cache.scales().key[0, 0, 0] * 127)
+        1.0
+        """
+        return self._scales
+
     def reset(self, index: SupportsIndex | None = None) -> None:
         """Empty every sequence, or the slot ``index`` only (for continuous batching).
 
@@ -378,13 +452,17 @@ class KVCache:
 
     def __getstate__(self) -> dict[str, Any]:
         used = int(self._lengths.max(initial=0))
-        return {
+        state = {
             "shape": (self._batch, self._num_kv_heads, self._max_len, self._head_dim, self._value_dim),
             "dtype": self._dtype,
             "lengths": self._lengths.copy(),
             "key": self._key[:, :, :used].copy(),
             "value": self._value[:, :, :used].copy(),
         }
+        if self._scales is not None:
+            state["key_scales"] = self._scales.key[:, :, :used].copy()
+            state["value_scales"] = self._scales.value[:, :, :used].copy()
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._batch, self._num_kv_heads, self._max_len, self._head_dim, self._value_dim = state["shape"]
@@ -393,6 +471,9 @@ class KVCache:
         used = state["key"].shape[2]
         self._key[:, :, :used] = state["key"]
         self._value[:, :, :used] = state["value"]
+        if self._scales is not None:
+            self._scales.key[:, :, :used] = state["key_scales"]
+            self._scales.value[:, :, :used] = state["value_scales"]
         self._lengths[:] = state["lengths"]
 
     def __repr__(self) -> str:
@@ -424,7 +505,7 @@ class TransformerDecoderCache:
         Layers of the decoder.
     batch, num_heads, max_len, head_dim : int
         As :class:`KVCache`'s ``batch``, ``num_kv_heads``, ``max_len`` and ``head_dim``.
-    dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, default numpy.float32
+    dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16", numpy.int8}, default numpy.float32
         Storage dtype of the keys and values.
 
     Attributes

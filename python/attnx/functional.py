@@ -429,7 +429,12 @@ def _attend_cache(q, cache: KVCache, n, options, out) -> None:
     dtype = _cache_compute_dtype(cache)
     computed = out if out.dtype == dtype else np.empty(out.shape, dtype)
     key, value, lengths = cache.storage()
-    _core.cached_attention(kernel_layout(as_float(q, dtype, "query")), key, value, lengths, n, options, computed)
+    scales = cache.scales()
+    query = kernel_layout(as_float(q, dtype, "query"))
+    if scales is None:
+        _core.cached_attention(query, key, value, lengths, n, options, computed)
+    else:
+        _core.cached_attention(query, key, value, lengths, n, options, computed, scales.key, scales.value)
     if computed is not out:
         out[...] = computed
 
@@ -466,8 +471,8 @@ def cached_attention(
         the result has the query's dtype.
     cache : KVCache
         The keys and values so far. It decides the compute dtype: float64 for
-        a float64 cache, else float32 (float16/bfloat16 caches are widened in
-        the kernels).
+        a float64 cache, else float32 (float16/bfloat16 and int8 caches are
+        widened in the kernels).
     key : array_like, shape (batch, num_kv_heads, T, head_dim), optional
         Keys of the query tokens, appended to the cache before attending.
     value : array_like, shape (batch, num_kv_heads, T, value_dim), optional
@@ -541,7 +546,7 @@ def cached_attention(
     if out is None:
         out = np.empty(result_shape, result_dtype)
     else:
-        check_out(out, result_shape, result_dtype, (query, key, value) + cache.storage()[:2])
+        check_out(out, result_shape, result_dtype, (query, key, value) + cache.storage()[:2] + tuple(cache.scales() or ()))
 
     if key is not None:
         cache.append(key, value, None if lengths is None else n)

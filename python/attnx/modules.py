@@ -76,10 +76,14 @@ def _module_dtype(dtype: npt.DTypeLike | TorchDType | None) -> np.dtype[Any]:
             dtype = _TORCH_DTYPES[name]
     if isinstance(dtype, str) and dtype == "bfloat16":
         return _storage_dtype(dtype)  # its own message where ml_dtypes is missing
+    message = f"dtype must be float32, float64, float16 or bfloat16, got {given!r}"
     try:
-        return _storage_dtype(dtype)  # type: ignore[arg-type]  # a torch dtype was mapped to its name above
+        dt = _storage_dtype(dtype)  # type: ignore[arg-type]  # a torch dtype was mapped to its name above
     except TypeError:
-        raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, got {given!r}") from None
+        raise TypeError(message) from None
+    if dt == np.int8:  # a cache dtype (new_cache), not a parameter dtype
+        raise TypeError(message)
+    return dt
 
 
 def _check_device(device: str | TorchDevice | None) -> None:
@@ -878,7 +882,7 @@ class MultiheadAttention:
             Number of sequences.
         max_len : int
             Tokens each sequence can hold.
-        dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, optional
+        dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16", numpy.int8}, optional
             Storage dtype of the keys and values; default the module's dtype.
 
         Returns

@@ -430,7 +430,7 @@ class TransformerDecoder(_Stack):
             Sequences decoded together (an unbatched ``tgt`` needs 1).
         max_len : int
             Tokens each sequence can hold.
-        dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16"}, default numpy.float32
+        dtype : {numpy.float32, numpy.float64, numpy.float16, "bfloat16", numpy.int8}, default numpy.float32
             Storage dtype of the cached keys and values (see :class:`attnx.KVCache`).
 
         Returns

@@ -18,15 +18,18 @@ inline constexpr int kMaxMasks = 2;
 
 // How keys and values are stored. A float32 call may read them as 16-bit
 // floats, widened to float32 as each block is loaded: a float16 KV cache is
-// then read at half the bytes and never copied.
-enum class Storage : uint8_t { kNative, kFloat16, kBFloat16 };
+// then read at half the bytes and never copied. Or as int8 rows, each with
+// its own float32 scale (element = scale * q), dequantized as loaded.
+enum class Storage : uint8_t { kNative, kFloat16, kBFloat16, kInt8 };
 
 // Keys or values, (B, H, S, D) with the last dim contiguous: elements of T,
-// or 16-bit floats (T = float only).
+// 16-bit floats or int8 with a scale per row (T = float only).
 template <typename T>
 struct StoredView {
   StridedView<const T, 4> native;       // when storage == kNative
-  StridedView<const uint16_t, 4> bits;  // otherwise
+  StridedView<const uint16_t, 4> bits;  // kFloat16, kBFloat16
+  StridedView<const int8_t, 4> q8;      // kInt8
+  StridedView<const float, 3> scales;   // kInt8: (B, H, S), row j's scale
   Storage storage = Storage::kNative;
 
   static StoredView of(const StridedView<const T, 4>& v) {
@@ -34,9 +37,19 @@ struct StoredView {
     s.native = v;
     return s;
   }
-  int64_t shape(int d) const { return storage == Storage::kNative ? native.shape[d] : bits.shape[d]; }
+  int64_t shape(int d) const {
+    return storage == Storage::kNative ? native.shape[d]
+           : storage == Storage::kInt8 ? q8.shape[d]
+                                       : bits.shape[d];
+  }
+  // In elements of the storage.
   int64_t stride(int d) const {
-    return storage == Storage::kNative ? native.stride[d] : bits.stride[d];
+    return storage == Storage::kNative ? native.stride[d]
+           : storage == Storage::kInt8 ? q8.stride[d]
+                                       : bits.stride[d];
+  }
+  int element_size() const {
+    return storage == Storage::kNative ? int(sizeof(T)) : storage == Storage::kInt8 ? 1 : 2;
   }
 };
 
@@ -164,13 +177,16 @@ void mha_forward(const MhaArgs<T>& args);
 
 // The storage of a KV cache: keys (B, H, max_len, head_dim) and values (B,
 // H, max_len, value_dim), C-contiguous, of one element type, and each
-// sequence's length.
-enum class CacheElement : uint8_t { kFloat32, kFloat64, kFloat16, kBFloat16 };
+// sequence's length. int8 keys and values have a float32 scale per row:
+// key_scales and value_scales (B, H, max_len), C-contiguous.
+enum class CacheElement : uint8_t { kFloat32, kFloat64, kFloat16, kBFloat16, kInt8 };
 
 struct CacheArrays {
   CacheElement element = CacheElement::kFloat32;
   void* key = nullptr;
   void* value = nullptr;
+  float* key_scales = nullptr;    // kInt8 only
+  float* value_scales = nullptr;  // kInt8 only
   int64_t batch = 0, heads = 0, max_len = 0, head_dim = 0, value_dim = 0;
   int64_t* lengths = nullptr;  // (batch), each in [0, max_len]
 };

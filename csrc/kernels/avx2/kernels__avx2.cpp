@@ -20,8 +20,8 @@ const KernelTable<double>& avx2_kernels_f64() {
 
 // The bfloat16 products, emulated (see simd/bf16_kernels.h).
 const Bf16KernelTable& avx2_bf16_kernels() {
-  static const Bf16KernelTable table =
-      simd::Bf16Kernels<simd::Avx2F32, false>::table("bf16_products__avx2_fma_emulated_mr6_nr16", Isa::kAvx2);
+  static const Bf16KernelTable table = simd::Bf16Kernels<simd::Avx2F32, false>::table(
+      "bf16_products__avx2_fma_emulated_mr4_nr16", Isa::kAvx2);
   return table;
 }
 

@@ -20,8 +20,8 @@ const KernelTable<double>& avx512_kernels_f64() {
 
 // The bfloat16 products, emulated (see simd/bf16_kernels.h).
 const Bf16KernelTable& avx512_bf16_kernels() {
-  static const Bf16KernelTable table =
-      simd::Bf16Kernels<simd::Avx512F32, false>::table("bf16_products__avx512f_emulated_mr12_nr32", Isa::kAvx512);
+  static const Bf16KernelTable table = simd::Bf16Kernels<simd::Avx512F32, false>::table(
+      "bf16_products__avx512f_emulated_mr12_nr32", Isa::kAvx512);
   return table;
 }
 

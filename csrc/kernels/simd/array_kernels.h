@@ -146,6 +146,16 @@ struct ArrayKernels {
         Vec::store_partial(dst + i, Vec::load_widen_f16_partial(src + i, len), len);
     }
   }
+  // dst[i] = scale * src[i] for int8 rows (their dequantized values).
+  static void widen_int8(const int8_t* src, int64_t n, T scale, T* dst) {
+    const V s = Vec::set1(scale);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) Vec::store(dst + i, Vec::mul(s, Vec::load_widen_i8(src + i)));
+    if (i < n) {
+      const int len = static_cast<int>(n - i);
+      Vec::store_partial(dst + i, Vec::mul(s, Vec::load_widen_i8_partial(src + i, len)), len);
+    }
+  }
   static void widen_float16(const uint16_t* src, int64_t n, float* dst) {
     widen<false>(src, n, dst);
   }

@@ -58,17 +58,23 @@ struct Kernels {
                      Gemm::fma_probe,
                      nullptr,
                      nullptr,
+                     nullptr,
                      {nullptr, nullptr},
                      {nullptr, nullptr},
+                     nullptr,
+                     nullptr,
                      Layers::activate,
                      Layers::add_layer_norm};
     if constexpr (Vec::kWidens16) {
       t.widen_float16 = Arrays::widen_float16;
       t.widen_bfloat16 = Arrays::widen_bfloat16;
+      t.widen_int8 = Arrays::widen_int8;
       t.scores_16bit[0] = Rows::template scores_of<Stored::kFloat16, uint16_t>;
       t.scores_16bit[1] = Rows::template scores_of<Stored::kBfloat16, uint16_t>;
       t.accumulate_pv_16bit[0] = Rows::template accumulate_pv_of<Stored::kFloat16, uint16_t>;
       t.accumulate_pv_16bit[1] = Rows::template accumulate_pv_of<Stored::kBfloat16, uint16_t>;
+      t.scores_int8 = Rows::scores_int8;
+      t.accumulate_pv_int8 = Rows::accumulate_pv_int8;
     }
     return t;
   }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set.
@@ -18,6 +19,12 @@ constexpr uint32_t kBf16MinNormal = 0x00800000u;  // float32 2^-126: below it, 0
 constexpr uint32_t kBf16Quiet = 0x00400000u;      // a float32 NaN's quiet bit
 constexpr uint32_t kBf16High = 0xffff0000u;       // the bfloat16 half of a float32
 constexpr uint32_t kBf16HalfUlp = 0x7fffu;        // half a bfloat16 ulp, less one
+
+inline uint32_t bits_of_float(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
 
 // The float32 bits of the bfloat16 nearest the float32 `bits` (low half 0).
 inline uint32_t round_bf16_bits(uint32_t bits) {

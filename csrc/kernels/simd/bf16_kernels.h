@@ -19,7 +19,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "kernels/bf16_table.h"
 #include "kernels/simd/bf16_bits.h"
@@ -62,15 +61,18 @@ struct Bf16Kernels {
   using Gemm = GemmKernels<Vec>;
   using Step = PairStep<Vec, kNative>;
   static constexpr int W = Vec::W;
-  // The float gemm's register tile (Vec::kGemmRows x kPanelVectors).
-  static constexpr int kRows = Vec::kGemmRows;
+  // The register tile: Vec::kPairGemmRows x kPanelVectors, the float gemm's
+  // but where the emulation's halves of A and B need registers of their own
+  // (AVX2), with its column-major tile for P.V. A tile's shape changes the
+  // order of no sum: every shape gives the same bits.
+  static constexpr int kRows = Vec::kPairGemmRows;
   static constexpr int kVectors = kPanelVectors;
 
   static void gemm(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t a_row,
                    int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                    GemmInit init, const float* init_values) {
-    Gemm::template gemm_panels<kRows, kVectors, Step>(M, N, K2, a, a_row, a_col, b, ldb, c, ldc,
-                                                      init, init_values);
+    Gemm::template gemm_panels<kRows, kVectors, Step, Vec::kColumnMajorTile>(
+        M, N, K2, a, a_row, a_col, b, ldb, c, ldc, init, init_values);
   }
 
   // x rounded to bfloat16 (bf16_bits.h), as float32 values.
@@ -83,9 +85,15 @@ struct Bf16Kernels {
 
   static void round(const float* src, int64_t n, uint16_t* dst) {
     int64_t i = 0;
-    for (; i + W <= n; i += W) Vec::store_bf16(dst + i, round_vector(Vec::load(src + i)));
+    for (; i + W <= n; i += W) {
+      if constexpr (kNative)
+        Vec::round_store_bf16_native(dst + i, Vec::load(src + i));
+      else
+        Vec::store_bf16(dst + i, Vec::round_bf16(Vec::load(src + i)));
+    }
     const int tail = static_cast<int>(n - i);
-    if (tail) Vec::store_bf16_partial(dst + i, round_vector(Vec::load_partial(src + i, tail)), tail);
+    if (tail)
+      Vec::store_bf16_partial(dst + i, round_vector(Vec::load_partial(src + i, tail)), tail);
   }
 
   static void round_in_place(float* x, int64_t n) { map_rows<Vec>(x, 1, n, n, round_vector); }
@@ -93,10 +101,7 @@ struct Bf16Kernels {
   // One pair from the values at lo and hi (null: none, 0), scaled and rounded.
   static uint32_t pair_of(const float* lo, const float* hi, float scale) {
     const auto rounded = [scale](const float* p) {
-      float x = *p * scale;
-      uint32_t bits;
-      std::memcpy(&bits, &x, sizeof bits);
-      return round_bf16_bits(bits);
+      return round_bf16_bits(bits_of_float(*p * scale));
     };
     return rounded(lo) >> 16 | (hi != nullptr ? rounded(hi) : 0u);
   }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/kernel_table.h"
 #include "kernels/simd/kernel_helpers.h"
@@ -77,13 +78,15 @@ struct GemmKernels {
     // Lanes of each vector of a (possibly partial) row of the tile.
     int len[NV];
     for (int v = 0; v < NV; ++v) len[v] = kFullWidth ? W : imax(imin(n - v * W, W), 0);
-    auto load_row = [len](const T* p, int v) {
-      return kFullWidth ? Vec::load(p + v * W)
-                        : (len[v] ? Vec::load_partial(p + v * W, len[v]) : Vec::zero());
-    };
-    auto load_b = [len](const BElem* p, int v) {
-      return kFullWidth ? Step::load(p + v * W)
-                        : (len[v] ? Step::load_partial(p + v * W, len[v]) : Vec::zero());
+    // A row of C or of the bias (T), or of B (Step's elements: T too in the
+    // float gemm).
+    auto load_row = [len](auto p, int v) {
+      if constexpr (std::is_same_v<decltype(p), const T*> || std::is_same_v<decltype(p), T*>)
+        return kFullWidth ? Vec::load(p + v * W)
+                          : (len[v] ? Vec::load_partial(p + v * W, len[v]) : Vec::zero());
+      else
+        return kFullWidth ? Step::load(p + v * W)
+                          : (len[v] ? Step::load_partial(p + v * W, len[v]) : Vec::zero());
     };
     // Every branch of step 1 sets every accumulator; GCC cannot see that
     // through the portable vector's lane array in the one-vector tiles.
@@ -141,7 +144,7 @@ struct GemmKernels {
         const BElem* bk = b + k * ldb;
         V bv[NV];
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) bv[v] = load_b(bk, v);
+        for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
         const int64_t ko = k * a_col;
 #pragma GCC unroll 4
         for (int i = 0; i < MR / 4; ++i) {
@@ -163,7 +166,7 @@ struct GemmKernels {
       const BElem* bk = b + k * ldb;
       V bv[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) bv[v] = load_b(bk, v);
+      for (int v = 0; v < NV; ++v) bv[v] = load_row(bk, v);
       const AElem* ak = a + k * a_col;
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {

@@ -14,34 +14,40 @@ namespace attnx::simd {
 namespace {
 
 // Streaming row kernels (decoding reads every key and value once, from
-// memory) prefetch rows of at least kPrefetchMinRowBytes, 8 rows ahead of
-// their reads. With rows of 512 bytes (128 float32) the hardware
-// prefetchers alone fall well short of the bandwidth a plain sum reaches,
-// and requests 8 rows (4 KiB) ahead win it back about as well as 16 and
-// better than 32; with shorter rows they cost time, at 4 KiB ahead too.
+// memory) ask for the rows kPrefetchBytes ahead of their reads (at least one
+// row), rows of at least kPrefetchMinRowBytes. The hardware prefetchers
+// alone fall well short of the bandwidth a plain sum reaches. The requests
+// go to L2 (prefetcht1), not L1: each request to L1 holds one of the core's
+// few L1 miss buffers until its line arrives, which capped a decoding step
+// from DRAM at about a third of the read bandwidth; requests to L2 do not,
+// and took a float32 cache of 64 MiB from 11 to 18 GB/s (AMD EPYC Zen 4).
+// Counted in bytes, not rows, so that 16-bit and int8 rows (256 and 128
+// bytes at a head dim of 128) are asked for as far ahead as float32 ones.
 // The scores, which read four rows at a time a vector of each, ask for the
 // line of each row ahead as they load that vector, not for all the lines of
 // four rows at once: a burst of requests fills the core's line fill buffers
 // and stalls it. (The projections of a few rows, dot_rows, ask for nothing
 // ahead: see there.) Measurements: docs/tuning.md.
-constexpr int64_t kPrefetchMinRowBytes = 512;
-constexpr int64_t kPrefetchRows = 8;
+constexpr int64_t kPrefetchMinRowBytes = 128;
+constexpr int64_t kPrefetchBytes = 4096;
 
 // How many rows of `dim` elements of P ahead a streaming kernel prefetches;
 // 0: none.
 template <typename P>
 inline int64_t prefetch_distance(bool stream, int64_t dim) {
-  return stream && dim * int64_t(sizeof(P)) >= kPrefetchMinRowBytes ? kPrefetchRows : 0;
+  const int64_t row = dim * int64_t(sizeof(P));
+  return stream && row >= kPrefetchMinRowBytes ? (kPrefetchBytes + row - 1) / row : 0;
 }
 
-// Asks for the cache lines of `rows` rows of `n` elements, `ld` apart.
+// Asks for the cache lines of `rows` rows of `n` elements, `ld` apart, to
+// be brought into L2 (see kPrefetchBytes).
 template <typename P>
 inline void prefetch_rows(const P* first, int64_t ld, int rows, int64_t n) {
 #if defined(__GNUC__)
   const char* row = reinterpret_cast<const char*>(first);
   const int64_t bytes = n * int64_t(sizeof(P)), ld_bytes = ld * int64_t(sizeof(P));
   for (int r = 0; r < rows; ++r, row += ld_bytes)
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
 #else
   (void)first, (void)ld, (void)rows, (void)n;
 #endif

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/kernel_table.h"
 #include "kernels/simd/kernel_helpers.h"
@@ -14,6 +15,12 @@ namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
 // copy of it may be merged with another built for a different one.
 namespace {
+
+// Whether Vec reduces four rows' four sums at once (reduce_add4x4).
+template <class Vec, class = void>
+struct HasReduce4x4 : std::false_type {};
+template <class Vec>
+struct HasReduce4x4<Vec, std::void_t<decltype(&Vec::reduce_add4x4)>> : std::true_type {};
 
 template <class Vec>
 struct RowKernels {
@@ -33,12 +40,15 @@ struct RowKernels {
     return keys < 16 ? 16 : keys / 4 * 4;
   }
 
-  // Loads of stored elements as vectors of T: T itself, or 16-bit floats
-  // (float16, bfloat16) widened on the way in.
-  enum class Stored { kNative, kFloat16, kBfloat16 };
+  // Loads of stored elements as vectors of T: T itself, 16-bit floats
+  // (float16, bfloat16) or int8 widened on the way in. An int8 row's scale
+  // is applied to what the row is multiplied with (see scaled).
+  enum class Stored { kNative, kFloat16, kBfloat16, kInt8 };
   template <Stored kSrc, typename P>
   static V load_stored(const P* p) {
-    if constexpr (kSrc == Stored::kFloat16)
+    if constexpr (kSrc == Stored::kInt8)
+      return Vec::load_widen_i8(p);
+    else if constexpr (kSrc == Stored::kFloat16)
       return Vec::load_widen_f16(p);
     else if constexpr (kSrc == Stored::kBfloat16)
       return Vec::load_widen_bf16(p);
@@ -47,12 +57,23 @@ struct RowKernels {
   }
   template <Stored kSrc, typename P>
   static V load_stored_partial(const P* p, int n) {
-    if constexpr (kSrc == Stored::kFloat16)
+    if constexpr (kSrc == Stored::kInt8)
+      return Vec::load_widen_i8_partial(p, n);
+    else if constexpr (kSrc == Stored::kFloat16)
       return Vec::load_widen_f16_partial(p, n);
     else if constexpr (kSrc == Stored::kBfloat16)
       return Vec::load_widen_bf16_partial(p, n);
     else
       return Vec::load_partial(p, n);
+  }
+
+  // x times row j's scale for int8 storage (row_scales[j]); x otherwise.
+  template <Stored kSrc>
+  static T scaled(const float* row_scales, int64_t j, T x) {
+    if constexpr (kSrc == Stored::kInt8)
+      return row_scales[j] * x;
+    else
+      return (void)row_scales, (void)j, x;
   }
 
   // scores for R query rows against the keys: each key vector is loaded
@@ -61,8 +82,8 @@ struct RowKernels {
   // taken in the same order whatever R is, so a row's scores do not depend
   // on the rows it is grouped with.
   template <Stored kSrc, typename P, int R>
-  static void scores_group(const T* const* q, const P* k, int64_t ldk, int64_t n_keys,
-                           int64_t dim, T scale, T* const* dst, int64_t ahead,
+  static void scores_group(const T* const* q, const P* k, int64_t ldk, const float* ks,
+                           int64_t n_keys, int64_t dim, T scale, T* const* dst, int64_t ahead,
                            int64_t prefetch_end) {
     int64_t j = 0;
     for (; j + 4 <= n_keys; j += 4) {
@@ -78,7 +99,7 @@ struct RowKernels {
         V kv[4];
 #if defined(__GNUC__)
         if (ka)
-          for (int u = 0; u < 4; ++u) __builtin_prefetch(ka + u * ldk + i);
+          for (int u = 0; u < 4; ++u) __builtin_prefetch(ka + u * ldk + i, 0, 2);
 #endif
 #pragma GCC unroll 4
         for (int u = 0; u < 4; ++u) {
@@ -108,12 +129,17 @@ struct RowKernels {
           for (int u = 0; u < 4; ++u) acc[r][u] = Vec::fmadd(qi, kv[u], acc[r][u]);
         }
       }
+      if constexpr (R == 4 && HasReduce4x4<Vec>::value) {
+        T* out[4] = {dst[0] + j, dst[1] + j, dst[2] + j, dst[3] + j};
+        Vec::reduce_add4x4(acc, kSrc == Stored::kInt8 ? ks + j : nullptr, scale, out);
+      } else {
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        T sums[4];
-        Vec::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+        for (int r = 0; r < R; ++r) {
+          T sums[4];
+          Vec::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
 #pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * sums[u];
+          for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * scaled<kSrc>(ks, j + u, sums[u]);
+        }
       }
     }
     for (; j < n_keys; ++j) {
@@ -128,7 +154,7 @@ struct RowKernels {
         for (int r = 0; r < R; ++r) acc[r] = Vec::fmadd(Vec::load_partial(q[r] + i, len), kv, acc[r]);
       }
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) dst[r][j] = scale * Vec::reduce_add(acc[r]);
+      for (int r = 0; r < R; ++r) dst[r][j] = scale * scaled<kSrc>(ks, j, Vec::reduce_add(acc[r]));
     }
   }
 
@@ -139,11 +165,24 @@ struct RowKernels {
   template <Stored kSrc, typename P>
   static void scores_of(const T* const* q, int rows, const P* k, int64_t ldk, int64_t n_keys,
                         int64_t dim, T scale, T* const* dst, bool stream) {
+    scores_scaled<kSrc, P>(q, rows, k, ldk, nullptr, n_keys, dim, scale, dst, stream);
+  }
+  static void scores_int8(const T* const* q, int rows, const int8_t* k, int64_t ldk,
+                          const float* ks, int64_t n_keys, int64_t dim, T scale, T* const* dst,
+                          bool stream) {
+    scores_scaled<Stored::kInt8, int8_t>(q, rows, k, ldk, ks, n_keys, dim, scale, dst, stream);
+  }
+  // scores_of with int8 rows' scales ks (null for other storage).
+  template <Stored kSrc, typename P>
+  static void scores_scaled(const T* const* q, int rows, const P* k, int64_t ldk,
+                            const float* ks, int64_t n_keys, int64_t dim, T scale,
+                            T* const* dst, bool stream) {
     const int64_t ahead = prefetch_distance<P>(stream, dim);
     const int64_t sub = rows > Vec::kRowGroup ? row_sub_block<P>(dim) : n_keys;
     for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
       const int64_t n = min64(sub, n_keys - j0);
       const P* k0 = k + j0 * ldk;
+      const float* ks0 = ks ? ks + j0 : nullptr;
       for (int r0 = 0; r0 < rows; r0 += Vec::kRowGroup) {
         const int count = imin(rows - r0, Vec::kRowGroup);
         T* d[Vec::kRowGroup];
@@ -151,15 +190,15 @@ struct RowKernels {
         const T* const* qg = q + r0;
         const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
         switch (count) {
-          case 1: scores_group<kSrc, P, 1>(qg, k0, ldk, n, dim, scale, d, a, end); break;
-          case 2: scores_group<kSrc, P, 2>(qg, k0, ldk, n, dim, scale, d, a, end); break;
+          case 1: scores_group<kSrc, P, 1>(qg, k0, ldk, ks0, n, dim, scale, d, a, end); break;
+          case 2: scores_group<kSrc, P, 2>(qg, k0, ldk, ks0, n, dim, scale, d, a, end); break;
           case 3:
             if constexpr (Vec::kRowGroup >= 3)
-              scores_group<kSrc, P, 3>(qg, k0, ldk, n, dim, scale, d, a, end);
+              scores_group<kSrc, P, 3>(qg, k0, ldk, ks0, n, dim, scale, d, a, end);
             break;
           default:
             if constexpr (Vec::kRowGroup >= 4)
-              scores_group<kSrc, P, 4>(qg, k0, ldk, n, dim, scale, d, a, end);
+              scores_group<kSrc, P, 4>(qg, k0, ldk, ks0, n, dim, scale, d, a, end);
             break;
         }
       }
@@ -238,8 +277,9 @@ struct RowKernels {
   // accumulate_pv_group's pass over the keys for columns [d0, d0 + NV W) of
   // the accumulators; v points at column d0 of the first value row.
   template <Stored kSrc, typename P, int R, int NV>
-  static void accumulate_pv_chunk(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
-                                  T* const* acc, int64_t d0, int64_t ahead, int64_t prefetch_end) {
+  static void accumulate_pv_chunk(const T* const* p, const P* v, int64_t ldv, const float* vs,
+                                  int64_t n_keys, T* const* acc, int64_t d0, int64_t ahead,
+                                  int64_t prefetch_end) {
     V a[R][NV];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
@@ -257,7 +297,7 @@ struct RowKernels {
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const V pj = Vec::set1(p[r][j]);
+        const V pj = Vec::set1(scaled<kSrc>(vs, j, p[r][j]));
 #pragma GCC unroll 16
         for (int u = 0; u < NV; ++u) a[r][u] = Vec::fmadd(pj, vv[u], a[r][u]);
       }
@@ -281,10 +321,14 @@ struct RowKernels {
   // took a load per multiply-add and a store per two, and the stores bound
   // them.) A row alone, decoding from memory, keeps to two keys at a time:
   // with four, each burst of requests ahead doubles, which costs it more
-  // time than the fewer loads save (measurements: docs/tuning.md).
+  // time than the fewer loads save. Three or four rows (grouped heads
+  // decoding) take this form at any row length that is whole vectors:
+  // each value row is then read, and widened, once for all of them, where
+  // two groups of two in registers read and widened it twice (measurements:
+  // docs/tuning.md).
   template <Stored kSrc, typename P, int R>
-  static void accumulate_pv_in_l1(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
-                                  int64_t dim, T* const* acc, int64_t ahead,
+  static void accumulate_pv_in_l1(const T* const* p, const P* v, int64_t ldv, const float* vs,
+                                  int64_t n_keys, int64_t dim, T* const* acc, int64_t ahead,
                                   int64_t prefetch_end) {
     constexpr int kKeys = R == 1 ? 2 : 4;
     // The rows' pointers in locals: GCC cannot tell that the stores into
@@ -299,7 +343,7 @@ struct RowKernels {
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int u = 0; u < kKeys; ++u) pk[r][u] = Vec::set1(p[r][j + u]);
+        for (int u = 0; u < kKeys; ++u) pk[r][u] = Vec::set1(scaled<kSrc>(vs, j + u, p[r][j + u]));
       const P* vj = v + j * ldv;
       if (ahead && j + ahead + kKeys <= prefetch_end)
         prefetch_rows(vj + ahead * ldv, ldv, kKeys, dim);
@@ -320,7 +364,7 @@ struct RowKernels {
       const P* vj = v + j * ldv;
       V pj[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) pj[r] = Vec::set1(p[r][j]);
+      for (int r = 0; r < R; ++r) pj[r] = Vec::set1(scaled<kSrc>(vs, j, p[r][j]));
       for (int64_t d = 0; d < dim; d += W) {
         const V vv = load_stored<kSrc>(vj + d);
 #pragma GCC unroll 4
@@ -334,16 +378,17 @@ struct RowKernels {
   // rows. Every element takes fma(p_j, v_j, acc) in key order, whatever R
   // and the chunking: the same sums to the bit.
   template <Stored kSrc, typename P, int R>
-  static void accumulate_pv_group(const T* const* p, const P* v, int64_t ldv, int64_t n_keys,
-                                  int64_t dim, T* const* acc, int64_t ahead, int64_t prefetch_end) {
+  static void accumulate_pv_group(const T* const* p, const P* v, int64_t ldv, const float* vs,
+                                  int64_t n_keys, int64_t dim, T* const* acc, int64_t ahead,
+                                  int64_t prefetch_end) {
     // Up to 8 vectors of one row's accumulator stay in registers across the
     // keys, so a value row of up to 8W elements is streamed once; R rows
     // keep kPvAccumulators / R vectors each (the value vectors take most of
     // the other registers), a pass over the keys per chunk of that many.
     constexpr int kVectors = R == 1 ? 8 : kPvAccumulators / R;
     constexpr int kChunk = kVectors * W;
-    if (dim > kLongestRowInRegisters && dim % W == 0) {
-      accumulate_pv_in_l1<kSrc, P, R>(p, v, ldv, n_keys, dim, acc, ahead, prefetch_end);
+    if (dim % W == 0 && (dim > kLongestRowInRegisters || R > 2)) {
+      accumulate_pv_in_l1<kSrc, P, R>(p, v, ldv, vs, n_keys, dim, acc, ahead, prefetch_end);
       return;
     }
     for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
@@ -352,14 +397,14 @@ struct RowKernels {
       // straight-line code, the accumulators in registers (the general form
       // below keeps them on the stack).
       if (len == kChunk) {
-        accumulate_pv_chunk<kSrc, P, R, kVectors>(p, v + d0, ldv, n_keys, acc, d0, ahead,
+        accumulate_pv_chunk<kSrc, P, R, kVectors>(p, v + d0, ldv, vs, n_keys, acc, d0, ahead,
                                                   prefetch_end);
         continue;
       }
       if constexpr (kVectors % 2 == 0) {
         if (len == kChunk / 2) {
-          accumulate_pv_chunk<kSrc, P, R, kVectors / 2>(p, v + d0, ldv, n_keys, acc, d0, ahead,
-                                                        prefetch_end);
+          accumulate_pv_chunk<kSrc, P, R, kVectors / 2>(p, v + d0, ldv, vs, n_keys, acc, d0,
+                                                        ahead, prefetch_end);
           continue;
         }
       }
@@ -383,7 +428,7 @@ struct RowKernels {
                                                 : Vec::zero());
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const V pj = Vec::set1(p[r][j]);
+          const V pj = Vec::set1(scaled<kSrc>(vs, j, p[r][j]));
 #pragma GCC unroll 8
           for (int u = 0; u < kVectors; ++u)
             if (u < full || (u == full && tail)) a[r][u] = Vec::fmadd(pj, vv[u], a[r][u]);
@@ -407,18 +452,32 @@ struct RowKernels {
   template <Stored kSrc, typename P>
   static void accumulate_pv_of(const T* const* p, int rows, const P* v, int64_t ldv,
                                int64_t n_keys, int64_t dim, T* const* acc, bool stream) {
+    accumulate_pv_scaled<kSrc, P>(p, rows, v, ldv, nullptr, n_keys, dim, acc, stream);
+  }
+  static void accumulate_pv_int8(const T* const* p, int rows, const int8_t* v, int64_t ldv,
+                                 const float* vs, int64_t n_keys, int64_t dim, T* const* acc,
+                                 bool stream) {
+    accumulate_pv_scaled<Stored::kInt8, int8_t>(p, rows, v, ldv, vs, n_keys, dim, acc, stream);
+  }
+  // accumulate_pv_of with int8 rows' scales vs (null for other storage).
+  template <Stored kSrc, typename P>
+  static void accumulate_pv_scaled(const T* const* p, int rows, const P* v, int64_t ldv,
+                                   const float* vs, int64_t n_keys, int64_t dim, T* const* acc,
+                                   bool stream) {
     const int64_t ahead = prefetch_distance<P>(stream, dim);
     const int64_t vectors = (dim + W - 1) / W;
     // As many rows as hold their whole accumulators in registers together,
-    // or, for rows longer than that, kRowGroup rows with theirs in L1.
+    // or, for rows longer than that or more than two rows, kRowGroup rows
+    // with theirs in L1 (see accumulate_pv_in_l1).
     const int fit = static_cast<int>(min64(kPvAccumulators, kPvAccumulators / vectors));
-    const int group = dim > kLongestRowInRegisters && dim % W == 0
+    const int group = dim % W == 0 && (dim > kLongestRowInRegisters || rows > 2)
                           ? Vec::kRowGroup
                           : imax(1, imin(Vec::kRowGroup, fit));
     const int64_t sub = rows > group ? row_sub_block<P>(dim) : n_keys;
     for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
       const int64_t n = min64(sub, n_keys - j0);
       const P* v0 = v + j0 * ldv;
+      const float* vs0 = vs ? vs + j0 : nullptr;
       for (int r0 = 0; r0 < rows; r0 += group) {
         const int count = imin(rows - r0, group);
         const T* pg[Vec::kRowGroup];
@@ -426,15 +485,15 @@ struct RowKernels {
         T* const* ag = acc + r0;
         const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
         switch (count) {
-          case 1: accumulate_pv_group<kSrc, P, 1>(pg, v0, ldv, n, dim, ag, a, end); break;
-          case 2: accumulate_pv_group<kSrc, P, 2>(pg, v0, ldv, n, dim, ag, a, end); break;
+          case 1: accumulate_pv_group<kSrc, P, 1>(pg, v0, ldv, vs0, n, dim, ag, a, end); break;
+          case 2: accumulate_pv_group<kSrc, P, 2>(pg, v0, ldv, vs0, n, dim, ag, a, end); break;
           case 3:
             if constexpr (Vec::kRowGroup >= 3)
-              accumulate_pv_group<kSrc, P, 3>(pg, v0, ldv, n, dim, ag, a, end);
+              accumulate_pv_group<kSrc, P, 3>(pg, v0, ldv, vs0, n, dim, ag, a, end);
             break;
           default:
             if constexpr (Vec::kRowGroup >= 4)
-              accumulate_pv_group<kSrc, P, 4>(pg, v0, ldv, n, dim, ag, a, end);
+              accumulate_pv_group<kSrc, P, 4>(pg, v0, ldv, vs0, n, dim, ag, a, end);
             break;
         }
       }

@@ -51,6 +51,10 @@ struct Avx2F32 {
   using V = __m256;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 6;  // 6 x 2 accumulators of 16 registers
+  // Rows of the emulated bfloat16 gemm's tile (bf16_kernels.h): 4 x 2
+  // accumulators, B's two vectors and their four halves, and A's two halves
+  // fill the 16 registers; 6 rows spill (measurements: docs/tuning.md).
+  static constexpr int kPairGemmRows = 4;
   static constexpr int kOneVectorRows = 6;  // rows of the one-vector tile
   static constexpr bool kColumnMajorTile = true;  // gemm tile for a_row == 1 (ALayout)
   // The wide tile too: 3 x 4 accumulators leave too few of the 16 registers
@@ -145,6 +149,17 @@ struct Avx2F32 {
     alignas(16) uint16_t buf[8];
     _mm_store_si128(reinterpret_cast<__m128i*>(buf), bf16_halves(rounded));
     for (int i = 0; i < n; ++i) p[i] = buf[i];
+  }
+  // 8 (or the first n, zeros above) int8 values as floats, exactly:
+  // vpmovsxbd then vcvtdq2ps (a partial row through a buffer: nothing past
+  // p[n-1] is read).
+  static V load_widen_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_widen_i8_partial(const int8_t* p, int n) {
+    alignas(16) int8_t buf[16] = {};
+    for (int i = 0; i < n; ++i) buf[i] = p[i];
+    return load_widen_i8(buf);
   }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }

@@ -23,6 +23,7 @@ struct Avx512F32 {
   using V = __m512;
   static constexpr int W = 16;
   static constexpr int kGemmRows = 12;  // 12 x 2 accumulators of 32 registers
+  static constexpr int kPairGemmRows = 12;  // the bfloat16 gemm's (bf16_kernels.h)
   // Rows of the one-vector tile: 16 accumulators, so that a block of 16 rows
   // (a head dim or 16 keys, in small calls) is one tile rather than 8 + 8.
   static constexpr int kOneVectorRows = 16;
@@ -58,6 +59,14 @@ struct Avx512F32 {
   }
   static V load_widen_bf16_partial(const uint16_t* p, int n) {
     return widen_bf16(_mm256_maskz_loadu_epi16(first(n), p));
+  }
+  // 16 (or the first n, zeros above; masked) int8 values as floats, exactly:
+  // vpmovsxbd then vcvtdq2ps.
+  static V load_widen_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_widen_i8_partial(const int8_t* p, int n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(first(n), p)));
   }
   static V widen_bf16(__m256i h) {
     const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
@@ -135,6 +144,10 @@ struct Avx512F32 {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  // round_bf16_native and store_bf16 in one: the 16-bit values as they come.
+  static void round_store_bf16_native(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+  }
 #endif
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
@@ -157,6 +170,35 @@ struct Avx512F32 {
     const __m256 halves =
         _mm256_add_ps(_mm512_castps512_ps256(blocks), _mm512_extractf32x8_ps(blocks, 1));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1)));
+  }
+  // out[r][u] = scale * (f[u] * the sum of acc[r][u]) (f null: scale * the sum), r, u < 4:
+  // four reduce_add4s taken together, each sum in the same order (so the same bits), the
+  // products and stores four lanes at a time. 45 operations reduce the 16 vectors, where four
+  // reduce_add4s take 52 and then 16 scalar products and stores.
+  static void reduce_add4x4(const V (&acc)[4][4], const T* f, T scale, T* const* out) {
+    V blocks[4];  // blocks[r]: each 128-bit block, its four lanes' sums of acc[r][0..3]
+    for (int r = 0; r < 4; ++r) {
+      const V ab = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]),
+                                 _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
+      const V cd = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]),
+                                 _mm512_unpackhi_ps(acc[r][2], acc[r][3]));
+      const __m512d ab2 = _mm512_castps_pd(ab), cd2 = _mm512_castps_pd(cd);
+      blocks[r] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab2, cd2)),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(ab2, cd2)));
+    }
+    // Blocks 0 + 2 and 1 + 3 (reduce_add4's halves), two rows a vector ...
+    const V w0 = _mm512_add_ps(_mm512_shuffle_f32x4(blocks[0], blocks[1], 0x44),
+                               _mm512_shuffle_f32x4(blocks[0], blocks[1], 0xee));
+    const V w1 = _mm512_add_ps(_mm512_shuffle_f32x4(blocks[2], blocks[3], 0x44),
+                               _mm512_shuffle_f32x4(blocks[2], blocks[3], 0xee));
+    // ... then (0 + 2) + (1 + 3): block r holds row r's four sums.
+    V sums = _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
+    if (f) sums = _mm512_mul_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(f)), sums);
+    sums = _mm512_mul_ps(set1(scale), sums);
+    _mm_storeu_ps(out[0], _mm512_castps512_ps128(sums));
+    _mm_storeu_ps(out[1], _mm512_extractf32x4_ps(sums, 1));
+    _mm_storeu_ps(out[2], _mm512_extractf32x4_ps(sums, 2));
+    _mm_storeu_ps(out[3], _mm512_extractf32x4_ps(sums, 3));
   }
   static T reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   // 0 where m is -inf, else m (see attention/softmax_rules.h).

@@ -56,6 +56,7 @@ struct Portable {
   using T = Scalar;
   static constexpr int W = 8;
   static constexpr int kGemmRows = 4;
+  static constexpr int kPairGemmRows = 4;  // the bfloat16 gemm's (bf16_kernels.h)
   static constexpr int kOneVectorRows = 4;
   // No column-major A tile (see ALayout): a portable tile is large code.
   static constexpr bool kColumnMajorTile = false;
@@ -106,11 +107,7 @@ struct Portable {
   }
   // Pairs of bfloat16, as Avx512F32's (float vectors only): the lanes carry
   // the bits, copied whole.
-  static uint32_t bits_of(T x) {
-    uint32_t b;
-    std::memcpy(&b, &x, sizeof b);
-    return b;
-  }
+  static uint32_t bits_of(T x) { return bits_of_float(x); }
   template <typename F>
   static V map_bits(F f) {
     return map([&](int i) { return float_from_bits(f(i)); });
@@ -149,6 +146,11 @@ struct Portable {
   static void store_bf16(uint16_t* p, V rounded) { store_bf16_partial(p, rounded, W); }
   static void store_bf16_partial(uint16_t* p, V rounded, int n) {
     for (int i = 0; i < n; ++i) p[i] = static_cast<uint16_t>(bits_of(rounded.lane[i]) >> 16);
+  }
+  // W (or the first n, zeros above) int8 values as T, exactly.
+  static V load_widen_i8(const int8_t* p) { return load_widen_i8_partial(p, W); }
+  static V load_widen_i8_partial(const int8_t* p, int n) {
+    return map([p, n](int i) { return i < n ? T(p[i]) : T(0); });
   }
   static V add(V a, V b) {
     return map([&](int i) { return a.lane[i] + b.lane[i]; });
