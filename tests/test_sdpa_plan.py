@@ -398,7 +398,8 @@ def test_scratch_sizes_cover_each_path(facts, element_size):
     tiles = plan(call_of(L=4 * qt, **kw), facts)
     kb = tiles["key_block"]
     per_tile = E * qt + 2 * qt * Ev + 3 * qt
-    visit = kb * qt + 2 * qt + kb + kb * (E + Ev) + 2 * kb * qt
+    # A spare row before the score tile (bfloat16 products' pairs of keys), the tile itself, ...
+    visit = qt + kb * qt + 2 * qt + kb + kb * (E + Ev) + 2 * kb * qt
     assert tiles["scratch_per_thread"] == tiles["group"] * per_tile + visit
     weights = plan(call_of(L=qt, weights=True, **kw), facts)
     assert weights["path"] == "weights_tile"
