@@ -100,6 +100,16 @@ def draw_precision(p: Provider, compute):
     return precision, False
 
 
+def module_or_call_precision(p: Provider, module, compute):
+    """``(the calls' precision=, bfloat16, invalid)``: a drawn precision set on `module` (the
+    calls then pass None) or passed by every call."""
+    precision, invalid = draw_precision(p, compute)
+    if not invalid and precision is not None and p.bool():
+        module.precision = precision
+        return None, precision == "bfloat16", invalid
+    return precision, precision == "bfloat16", invalid
+
+
 def bf16_tolerance(arrays) -> dict:
     """assert_allclose's tolerance of a bfloat16-precision result: BF16_TOL relative, and
     absolute per unit of the largest finite value of `arrays` (the values, the weights)."""
@@ -1753,13 +1763,7 @@ def fuzz_transformer_layer(p: Provider):
     if p.bool(0.6):
         randomize_parameters(p, module)
     dtype = layer.dtype
-    # The precision: the module's (set on it) or the call's.
-    precision, invalid = draw_precision(p, dtype)
-    call_precision = precision
-    if not invalid and precision is not None and p.bool():
-        module.precision = precision
-        call_precision = None
-    bf16 = precision == "bfloat16"
+    call_precision, bf16, invalid = module_or_call_precision(p, module, dtype)
     E, H = layer.d_model, layer.self_attn.num_heads
     batch_first = layer.batch_first
     N, L, S = p.int(0, 3), p.choice([0, 1, 2, 5, 9]), p.choice([0, 1, 3, 7])
@@ -2010,13 +2014,7 @@ def fuzz_transformer_step(p: Provider):
     if p.bool(0.7):
         randomize_parameters(p, decoder)
     dropout_applies = decoder.training and dropout > 0
-    # The precision of every step: the decoder's (set on it) or each step's.
-    precision, invalid = draw_precision(p, dtype)
-    step_precision = precision
-    if not invalid and precision is not None and p.bool():
-        decoder.precision = precision
-        step_precision = None
-    bf16 = precision == "bfloat16"
+    step_precision, bf16, invalid = module_or_call_precision(p, decoder, dtype)  # every step's
     batch_first = layer.batch_first
     B = p.int(1, 3)
     batched = not (B == 1 and p.bool(0.3))
