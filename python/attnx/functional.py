@@ -518,7 +518,7 @@ def cached_attention(
     cache = check_cache(cache)
     result_dtype, _ = result_and_compute_dtype(query)
     code = 0 if precision is None else precision_code(
-        precision, _cache_compute_dtype(cache), "the cache", "use a float32, float16 or bfloat16 KVCache")
+        precision, _cache_compute_dtype(cache), "the cache", "use a KVCache of float32, float16, bfloat16 or int8")
     q = as_float(query, result_dtype, "query")
     B, Hkv, E = cache.batch, cache.num_kv_heads, cache.head_dim
     if q.ndim != 4 or q.shape[0] != B or q.shape[3] != E or q.shape[1] == 0 or q.shape[1] % Hkv != 0:
