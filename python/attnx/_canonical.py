@@ -45,7 +45,8 @@ _NAN = float("nan")
 def make_sdpa_options(causal, bottom_right, scale, window_left, window_right, enable_gqa, softcap, scores,
                       precision) -> "_core.SdpaOptions":
     """The core's options of checked values (`precision`: the core's code of it)."""
-    return _core.SdpaOptions(causal, bottom_right, scale, window_left, window_right, enable_gqa, softcap, scores, precision)
+    return _core.SdpaOptions(causal, bottom_right, scale, window_left, window_right, enable_gqa, softcap, scores,
+                             precision)
 
 
 # The options of the common calls, made once: [is_causal][enable_gqa].
@@ -128,7 +129,8 @@ def sdpa_options(is_causal, scale, enable_gqa, window, softcap=None, return_scor
     return options
 
 
-def _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores, precision) -> "_core.SdpaOptions":
+def _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores,
+                       precision) -> "_core.SdpaOptions":
     causal, bottom_right = causal_mode(is_causal)
     enable_gqa = as_bool_flag(enable_gqa, "enable_gqa")
     window_left, window_right = window_bounds(window)
@@ -527,7 +529,8 @@ def mha_step(weights, query, cache, lengths, batch_first: bool, precision: int =
     if rows.shape[0] == 0:
         return np.zeros(lead + (weights.out_dim,), weights.dtype)
     cache.check_room(np.full(cache.batch, T, np.int64) if n is None else n)
-    options = _STEP_OPTIONS[batch_first] if not precision else make_mha_options(True, True, False, False, batch_first, precision)
+    options = (_STEP_OPTIONS[batch_first] if not precision
+               else make_mha_options(True, True, False, False, batch_first, precision))
     out = _core.mha_step(weights, rows, cache, n, options).reshape(lead + (weights.out_dim,))
     return out if out.dtype == weights.dtype else out.astype(weights.dtype)
 

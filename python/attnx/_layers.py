@@ -200,7 +200,8 @@ def decoder_step(decoder: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any
     owners = tuple(layer.multihead_attn._weights() for layer in layers) + tuple(precisions)
     memory_kv = cache._memory_keys_values(
         memory, owners,
-        lambda: [_memory_projections(layer, memory, batch_first, dtype, code) for layer, code in zip(layers, precisions)],
+        lambda: [_memory_projections(layer, memory, batch_first, dtype, code)
+                 for layer, code in zip(layers, precisions)],
     )
     lengths = [c.storage().lengths for c in cache.layers]
     before = [n.copy() for n in lengths]

@@ -22,7 +22,16 @@ import numpy as np
 
 from . import _core
 
-from ._arrays import PRECISION_NAMES, as_array, as_bool_flag, as_positive_int, check_heads, is_floating, precision_code, shape_str
+from ._arrays import (
+    PRECISION_NAMES,
+    as_array,
+    as_bool_flag,
+    as_positive_int,
+    check_heads,
+    is_floating,
+    precision_code,
+    shape_str,
+)
 from .cache import KVCache, _storage_dtype
 from ._canonical import mha_options, mha_step, mha_weights
 
