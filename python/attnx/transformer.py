@@ -869,7 +869,7 @@ class Transformer(_Module):
         if self.batch_first:
             args.append("batch_first=True")
         args.append(f"dtype={layer.dtype.name}")
-        precision = self.precision
-        if precision != "float32":
+        precision = self.precision  # (None where the layers differ: their reprs tell)
+        if precision not in (None, "float32"):
             args.append(f"precision={precision!r}")
         return f"Transformer({', '.join(args)})"
