@@ -17,7 +17,10 @@ garbage of another shape (they must raise), and ``CausalBias`` masks for sdpa. T
 allowed outcomes:
 
 * a result equal to the float64 reference's (``attnx.reference``, to the contract's
-  tolerances, NaN/Inf where it has them) -- and an unmutated call must give one;
+  tolerances, NaN/Inf where it has them) -- and an unmutated call must give one; a call
+  with ``precision="bfloat16"`` (drawn for sdpa, multi-head attention, the module, the caches,
+  the decoding steps and the transformer layers) against the reference of the same rounding,
+  within BF16_TOL of the values' magnitude;
 * ``ValueError``, ``TypeError`` or ``NotImplementedError``;
 * ``MemoryError`` only for requests that are truly huge (flagged where they are built).
 
@@ -76,6 +79,47 @@ HALVES = [F16] + ([BF16] if BF16 is not None else [])
 TOL = {F32: dict(rtol=1e-5, atol=1e-6), F64: dict(rtol=1e-12, atol=1e-12), F16: dict(rtol=1e-3, atol=1e-5)}
 if BF16 is not None:  # bfloat16 keeps 8 bits: half an ulp is 2^-9
     TOL[BF16] = dict(rtol=4e-3, atol=1e-5)
+
+
+# precision= of a call: mostly the default, often bfloat16; sometimes a name attnx does not know.
+PRECISIONS = [None, None, None, "float32", "bfloat16", "bfloat16"]
+BAD_PRECISIONS = ["bf16", "float16", "BFLOAT16", 16, True, np.float32]
+# The bound of a bfloat16-precision result against the reference of the same rounding, per unit
+# of the values' magnitude (tests/test_precision.py measures the tight bounds).
+BF16_TOL = 1.5e-2
+
+
+def draw_precision(p: Provider, compute):
+    """``(precision, invalid)`` for a call computing in `compute`: bfloat16 with float64, or
+    an unknown name, is invalid (ValueError)."""
+    if p.bool(0.02):
+        return p.choice(BAD_PRECISIONS), True
+    precision = p.choice(PRECISIONS)
+    if precision == "bfloat16" and np.dtype(compute).type is np.float64:  # (either byte order)
+        return (precision, True) if p.bool(0.25) else (None, False)
+    return precision, False
+
+
+def module_or_call_precision(p: Provider, module, compute):
+    """``(the calls' precision=, bfloat16, invalid)``: a drawn precision set on `module` (the
+    calls then pass None) or passed by every call."""
+    precision, invalid = draw_precision(p, compute)
+    if not invalid and precision is not None and p.bool():
+        module.precision = precision
+        return None, precision == "bfloat16", invalid
+    return precision, precision == "bfloat16", invalid
+
+
+def bf16_tolerance(arrays) -> dict:
+    """assert_allclose's tolerance of a bfloat16-precision result: BF16_TOL relative, and
+    absolute per unit of the largest finite value of `arrays` (the values, the weights)."""
+    scale = 1.0
+    for a in arrays:
+        if is_float(a) and a.size:
+            with np.errstate(all="ignore"):
+                finite = np.abs(a.astype(np.float64)[np.isfinite(a.astype(np.float64))])
+            scale = max(scale, float(finite.max(initial=0.0)))
+    return dict(rtol=BF16_TOL, atol=BF16_TOL * scale)
 
 
 def is_float(a) -> bool:
@@ -470,8 +514,10 @@ def compare(got, expected, dtype, what, inputs, moderate=True, tolerance=None):
     expected = np.asarray(expected, dtype=np.float64)
     if well_scaled(arrays) and moderate:
         OUTCOMES["result checked"] += 1
-        np.testing.assert_allclose(got.astype(np.float64), expected, equal_nan=True, err_msg=what,
-                                   **TOL[dtype if tolerance is None else tolerance])
+        if isinstance(tolerance, dict):
+            OUTCOMES[f"{what}: bfloat16 precision checked"] += 1
+        tol = tolerance if isinstance(tolerance, dict) else TOL[dtype if tolerance is None else tolerance]
+        np.testing.assert_allclose(got.astype(np.float64), expected, equal_nan=True, err_msg=what, **tol)
     elif nan_inf_only(arrays):
         # NaN/Inf in the inputs: they must reach exactly the outputs the reference has them in.
         # Non-finite exactly where the reference is; NaN wherever it has NaN. Where it has
@@ -611,6 +657,7 @@ def fuzz_sdpa(p: Provider):
         args["window"] = (p.choice([None, 0, 1, 5, 200]), p.choice([None, 0, 2, 40]))
     if p.bool(0.3):
         args["scale"] = p.choice([0.0, 0.1, -0.5, 2.0, np.float32(0.25)])
+    args["precision"], invalid = draw_precision(p, dtype)
     for name in ("query", "key", "value", "attn_mask"):
         if args[name] is not None and p.bool(0.2):
             args[name] = relayout(p, args[name])
@@ -647,6 +694,7 @@ def fuzz_sdpa(p: Provider):
     n_mut += len(garbage)
     if bias is not None:
         OUTCOMES[f"sdpa: CausalBias {'read' if ok else 'refused'}"] += 1
+    n_mut += invalid
     if not ok:
         if n_mut == 0:
             raise Disallowed("sdpa: a valid call raised")
@@ -659,8 +707,11 @@ def fuzz_sdpa(p: Provider):
     ref_kwargs = {k: plain(v) for k, v in kwargs.items() if k != "out"}
     if bias is not None:  # the causal mode it stands for (read only where is_causal is False)
         ref_kwargs["attn_mask"], ref_kwargs["is_causal"] = None, bias.causal_mode()
+    # bfloat16 precision: the reference of the same rounding, on the values attnx computes with.
+    bf16 = ref_kwargs.get("precision") == "bfloat16"
+    convert = (lambda x: x) if bf16 else as_f64
     expected = reference_of(lambda: reference.scaled_dot_product_attention(
-        *(as_f64(plain(x)) for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
+        *(convert(plain(x)) for x in (args["query"], args["key"], args["value"])), **ref_kwargs))
     if expected is None:
         raise Disallowed("sdpa: attnx computed a result for a call the reference rejects")
     scale = args["scale"]
@@ -668,7 +719,8 @@ def fuzz_sdpa(p: Provider):
     q = np.asarray(plain(args["query"]))
     eff_scale = 1 / math.sqrt(q.shape[-1]) if args["scale"] is None and q.shape[-1] else (scale_arr or [1.0])[0]
     moderate = logits_moderate(q, np.asarray(plain(args["key"])), eff_scale) if q.ndim >= 2 else True
-    compare(got, expected, q.dtype.newbyteorder("="), "sdpa", inputs + scale_arr, moderate)
+    tolerance = bf16_tolerance([np.asarray(plain(args["value"]))]) if bf16 else None
+    compare(got, expected, q.dtype.newbyteorder("="), "sdpa", inputs + scale_arr, moderate, tolerance)
 
 
 def mha_valid(p: Provider):
@@ -729,6 +781,7 @@ SCALAR_JUNK = [None, 0, 1, -1, 2, 3, 4, 2**40, 1.5, float("nan"), "2", True, Fal
 
 def fuzz_mha(p: Provider):
     a = mha_valid(p)
+    a["precision"], invalid = draw_precision(p, a["query"].dtype)
     for name in MHA_ARRAYS:
         if isinstance(a[name], np.ndarray) and p.bool(0.15):
             a[name] = relayout(p, a[name])
@@ -752,8 +805,8 @@ def fuzz_mha(p: Provider):
         separate = None
     unused = {True: ("in_proj_weight",), False: ("q_proj_weight", "k_proj_weight", "v_proj_weight")}.get(separate, ())
     garbage = [name for name in garbage if name not in unused]
-    check_garbage_refused(ok, garbage, n_mut, "mha")
-    n_mut += len(garbage)
+    check_garbage_refused(ok, garbage, n_mut + invalid, "mha")
+    n_mut += len(garbage) + invalid
     if not ok:
         if n_mut == 0:
             raise Disallowed("mha: a valid call raised")
@@ -763,13 +816,15 @@ def fuzz_mha(p: Provider):
         for x in inputs:
             if r is not None and isinstance(x, np.ndarray) and np.shares_memory(r, x):
                 raise Disallowed("mha: a result shares memory with an input")
-    conv = {k: as_f64(plain(v)) for k, v in a.items()}
+    bf16 = a["precision"] == "bfloat16"
+    conv = {k: plain(v) if bf16 else as_f64(plain(v)) for k, v in a.items()}
     expected = reference_of(lambda: reference.multi_head_attention_forward(**conv))
     if expected is None:
         raise Disallowed("mha: attnx computed a result for a call the reference rejects")
     dtype = np.asarray(plain(a["query"])).dtype.newbyteorder("=")
-    compare(out, expected[0], dtype, "mha output", inputs)
-    compare(weights, expected[1], dtype, "mha weights", inputs)
+    tolerance = bf16_tolerance(input_arrays(inputs)) if bf16 else None
+    compare(out, expected[0], dtype, "mha output", inputs, tolerance=tolerance)
+    compare(weights, expected[1], dtype, "mha weights", inputs, tolerance=bf16_tolerance([]) if bf16 else None)
 
 
 def fuzz_module(p: Provider):
@@ -838,8 +893,15 @@ def fuzz_module(p: Provider):
     for name in ("need_weights", "average_attn_weights", "is_causal"):
         if p.bool(0.3):
             opts[name] = p.choice([True, False])
+    # The module's precision (constructor or attribute) or the call's.
+    precision, invalid = draw_precision(p, dtype)
+    if p.bool() or invalid:
+        opts["precision"] = precision
+    elif precision is not None:
+        m.precision = precision
+    precision = opts.get("precision") or m.precision
     args = {"query": q, "key": k, "value": v}
-    n_mut = p.choice([0, 0, 1, 2])
+    n_mut = p.choice([0, 0, 1, 2]) + invalid
     for _ in range(n_mut):
         name = p.choice(["query", "key", "value", "key_padding_mask", "attn_mask", "need_weights"])
         if name == "need_weights":
@@ -874,6 +936,10 @@ def fuzz_module(p: Provider):
     cast = lambda x: np.asarray(x).astype(np.float64) if np.asarray(x).dtype.kind == "f" else x  # noqa: E731
     args = {k: plain(v) for k, v in args.items()}
     opts = {k: plain(v) for k, v in opts.items()}
+    bf16 = precision == "bfloat16"
+    if bf16:  # the reference of the same rounding, on the values attnx computes with (float32)
+        cast = lambda x: np.asarray(x).astype(F32) if is_float(np.asarray(x)) else x  # noqa: E731
+    opts["precision"] = precision
     expected = reference_of(lambda: reference.multi_head_attention_forward(
         cast(np.asarray(args["query"]).astype(dtype)), cast(np.asarray(args["key"]).astype(dtype)),
         cast(np.asarray(args["value"]).astype(dtype)), m.embed_dim, m.num_heads,
@@ -889,8 +955,10 @@ def fuzz_module(p: Provider):
     # Projections over thousands of input features sum that many float32 products: their
     # rounding alone exceeds the tolerance, so such results are not compared.
     moderate = max(m.embed_dim, m.kdim, m.vdim) <= 4096
-    compare(out, expected[0], dtype, "module output", inputs + list(params.values()), moderate)
-    compare(weights, expected[1], dtype, "module weights", inputs + list(params.values()), moderate)
+    tolerance = bf16_tolerance(input_arrays(inputs) + list(params.values())) if bf16 else None
+    compare(out, expected[0], dtype, "module output", inputs + list(params.values()), moderate, tolerance)
+    compare(weights, expected[1], dtype, "module weights", inputs + list(params.values()), moderate,
+            bf16_tolerance([]) if bf16 else None)
 
 
 def fuzz_set_num_threads(p: Provider):
@@ -1217,6 +1285,7 @@ def fuzz_cache(p: Provider):
             args["window"] = (p.choice([None, 0, 1, 30]), p.choice([None, 0, 3]))
         args["scale"] = p.choice([0.0, 0.3, -1.0, 2.0]) if p.bool(0.25) else None
         args["out"] = np.full((B, Hk * group, T, Dv), np.nan, q_dtype) if p.bool(0.25) else None
+        precision, invalid = draw_precision(p, dtype)
         n_mut = p.choice([0, 0, 0, 1, 2])
         mutate(p, args, ["query", "key", "value", "lengths", "window", "scale", "out"], n_mut)
         before, held_before = cache.lengths.copy(), held(cache)
@@ -1224,7 +1293,7 @@ def fuzz_cache(p: Provider):
         snap = snapshot(inputs)
         ok, got = call("cached_attention", lambda: attnx.cached_attention(
             args["query"], cache, args["key"], args["value"], lengths=args["lengths"], scale=args["scale"],
-            window=args["window"], out=args["out"]))
+            window=args["window"], precision=precision, out=args["out"]))
         check_untouched(snap, "cached_attention", allowed=[args["out"]])
         if not still_held(cache, held_before):
             raise Disallowed("cached_attention: a cached token's key or value changed")
@@ -1232,14 +1301,18 @@ def fuzz_cache(p: Provider):
             if not np.array_equal(cache.lengths, before):
                 raise Disallowed("cached_attention: raised after appending to the cache")
             continue
+        if invalid:
+            raise Disallowed(f"cached_attention: computed with precision={precision!r} and a {cache.dtype} cache")
         if args["out"] is not None and got is not args["out"]:
             raise Disallowed("cached_attention: out= given but another array returned")
         q = np.asarray(args["query"])
         n = (np.full(B, q.shape[2]) if args["lengths"] is None else np.asarray(args["lengths"])).astype(np.int64)
         key, value = cache_contents(cache)
+        bf16 = precision == "bfloat16"
+        as_computed = (lambda x: np.asarray(x, F32)) if bf16 else (lambda x: np.asarray(x, np.float64))
         expected = reference_of(lambda: reference.cached_attention(
-            np.asarray(q, np.float64), key, value, cache.lengths, query_lengths=n, scale=args["scale"],
-            window=args["window"]))
+            as_computed(q), as_computed(key), as_computed(value), cache.lengths, query_lengths=n,
+            scale=args["scale"], window=args["window"], precision=precision))
         if expected is None:
             raise Disallowed("cached_attention: attnx computed a result for a call the reference rejects")
         scale = 1 / math.sqrt(D) if args["scale"] is None else args["scale"]
@@ -1251,6 +1324,10 @@ def fuzz_cache(p: Provider):
         # has the query's, so the looser of the two sets the tolerance.
         compute = np.dtype(F64 if cache.dtype == F64 else F32)
         tolerance = got.dtype if got.dtype.itemsize <= compute.itemsize else compute
+        if bf16:
+            tolerance = bf16_tolerance([value])
+            if got.dtype.itemsize == 2:  # and the result's own rounding
+                tolerance["rtol"] += TOL[got.dtype]["rtol"]
         compare(got, expected, np.dtype(got.dtype), "cached_attention", [q, key, value], moderate, tolerance)
 
 
@@ -1258,14 +1335,16 @@ STEP_ARRAYS = ["query", "in_proj_weight", "in_proj_bias", "out_proj_weight", "ou
                "q_proj_weight", "k_proj_weight", "v_proj_weight", "lengths"]
 
 
-def step_expected(a, cache, before, n):
+def step_expected(a, cache, before, n, bf16=False):
     """float64 expectation of one multi_head_attention_step that appended n[b] tokens to
     sequence b of `cache` (which held before[b]): the new tokens' queries, keys and values
-    (B, H, T, D) and the step's output; raises where the arguments describe no valid step."""
+    (B, H, T, D) and the step's output; raises where the arguments describe no valid step.
+    With `bf16`, the float32 expectation of precision "bfloat16" (the reference's rounding)."""
     x = np.asarray(a["query"])
     if not is_float(x):
         raise TypeError("query")
-    x = x.astype(np.float64)
+    run = F32 if bf16 else np.float64
+    x = x.astype(run)
     layout = "unbatched" if x.ndim == 2 else ("batch_first" if a["batch_first"] else "seq_first")
     xb = {"unbatched": lambda: x[None], "batch_first": lambda: x, "seq_first": lambda: x.transpose(1, 0, 2)}[layout]()
     B, T, E = xb.shape
@@ -1276,22 +1355,23 @@ def step_expected(a, cache, before, n):
         value = np.asarray(a[name])
         if not is_float(value) or value.shape != shape:
             raise ValueError(name)
-        return value.astype(np.float64)
+        return value.astype(run)
 
     if a["use_separate_proj_weight"]:
         w_in = np.concatenate([param(name, (E, E)) for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight")])
     else:
         w_in = param("in_proj_weight", (3 * E, E))
-    b_in = np.zeros(3 * E) if a["in_proj_bias"] is None else param("in_proj_bias", (3 * E,))
+    b_in = np.zeros(3 * E, run) if a["in_proj_bias"] is None else param("in_proj_bias", (3 * E,))
     w_out = np.asarray(a["out_proj_weight"])
     if not is_float(w_out) or w_out.ndim != 2 or w_out.shape[1] != E:
         raise ValueError("out_proj_weight")
-    w_out = w_out.astype(np.float64)
-    b_out = np.zeros(w_out.shape[0]) if a["out_proj_bias"] is None else param("out_proj_bias", (w_out.shape[0],))
-    qkv = xb @ w_in.T + b_in
+    w_out = w_out.astype(run)
+    b_out = np.zeros(w_out.shape[0], run) if a["out_proj_bias"] is None else param("out_proj_bias", (w_out.shape[0],))
+    qkv = reference._linear(xb, w_in, b_in, bf16)
     q, k, v = (qkv[..., i * E:(i + 1) * E].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3))
-    attn = reference.cached_attention(q, *cache_contents(cache), before + n, query_lengths=n)
-    out = attn.transpose(0, 2, 1, 3).reshape(B, T, E) @ w_out.T + b_out
+    attn = reference.cached_attention(q, *(np.asarray(x, run) for x in cache_contents(cache)), before + n,
+                                      query_lengths=n, precision="bfloat16" if bf16 else None)
+    out = reference._linear(attn.transpose(0, 2, 1, 3).reshape(B, T, E), w_out, b_out, bf16)
     out = {"unbatched": lambda: out[0], "batch_first": lambda: out, "seq_first": lambda: out.transpose(1, 0, 2)}[layout]()
     return q, k, v, out
 
@@ -1332,7 +1412,9 @@ def fuzz_step(p: Provider):
             if isinstance(a[name], np.ndarray) and p.bool(0.15):
                 a[name] = relayout(p, a[name])
         valid_n = np.full(B, T) if a["lengths"] is None else np.asarray(a["lengths"])
-        n_mut = p.choice([0, 0, 0, 1, 2])
+        # (float64 queries compute their projections in float64: no bfloat16 products.)
+        precision, invalid = draw_precision(p, a["query"].dtype)
+        n_mut = p.choice([0, 0, 0, 1, 2]) + invalid
         for _ in range(n_mut):
             if p.bool(0.8):
                 name = p.choice(STEP_ARRAYS)
@@ -1346,7 +1428,7 @@ def fuzz_step(p: Provider):
             a["query"], cache, a["num_heads"], a["in_proj_weight"], a["in_proj_bias"], a["out_proj_weight"],
             a["out_proj_bias"], lengths=a["lengths"], batch_first=a["batch_first"],
             use_separate_proj_weight=a["use_separate_proj_weight"], q_proj_weight=a["q_proj_weight"],
-            k_proj_weight=a["k_proj_weight"], v_proj_weight=a["v_proj_weight"]))
+            k_proj_weight=a["k_proj_weight"], v_proj_weight=a["v_proj_weight"], precision=precision))
         check_untouched(snap, "step")
         if not still_held(cache, held_before):
             raise Disallowed("step: a cached token's key or value changed")
@@ -1364,7 +1446,8 @@ def fuzz_step(p: Provider):
         n = np.full(B, tokens) if a["lengths"] is None else np.asarray(a["lengths"], dtype=np.int64)
         if not np.array_equal(cache.lengths, before + n):
             raise Disallowed(f"step: cache lengths {cache.lengths.tolist()}, expected {(before + n).tolist()}")
-        expected = reference_of(lambda: step_expected(a, cache, before, n))
+        bf16 = precision == "bfloat16"
+        expected = reference_of(lambda: step_expected(a, cache, before, n, bf16))
         if expected is None:
             raise Disallowed("step: attnx computed a result for a call the reference rejects")
         q, k, v, out = expected
@@ -1390,6 +1473,10 @@ def fuzz_step(p: Provider):
                     np.testing.assert_allclose(got_rows[b, :, m:m + t], want, err_msg=f"step: appended {name}", **stored)
         moderate = all(logits_moderate(q[b], keys[b], 1 / math.sqrt(E // H)) for b in range(B))
         tolerance = result_dtype if result_dtype.itemsize < compute.itemsize else compute
+        if bf16:
+            tolerance = bf16_tolerance(input_arrays(arrays) + values_held)
+            if result_dtype.itemsize == 2:  # and the result's own rounding
+                tolerance["rtol"] += TOL[result_dtype]["rtol"]
         compare(got, out, result_dtype, "step", arrays + keys + values_held, moderate, tolerance)
 
 
@@ -1519,7 +1606,8 @@ def mutate_parameter(p: Provider, layer) -> bool:
         return True
     if kind == 1:  # NaN or Inf at a place (valid: they must reach the result as the reference's)
         bad = np.array(current, dtype=np.float64)
-        bad.reshape(-1)[p.int(0, bad.size - 1)] = p.choice([np.nan, np.inf, -np.inf])
+        if bad.size:  # (a parameter of no elements has no place)
+            bad.reshape(-1)[p.int(0, bad.size - 1)] = p.choice([np.nan, np.inf, -np.inf])
         setattr(owner, attr, bad.astype(current.dtype))
         return False
     if kind == 2:  # another float dtype and layout (valid: read as its values)
@@ -1569,7 +1657,7 @@ def scale_view(x):
     return x
 
 
-def compare_layer(got, expected, spread, dtype, what, inputs, unit=None, skip_rows=None):
+def compare_layer(got, expected, spread, dtype, what, inputs, unit=None, skip_rows=None, bf16=False):
     """compare() for a transformer layer's or decoder's result (in canonical (N, L, E) order):
     within LAYER_TOL[dtype] plus 16 times the reference's own spread between float32 and
     float64 (`spread`: the float32 reference's result; the largest difference in each row,
@@ -1577,7 +1665,10 @@ def compare_layer(got, expected, spread, dtype, what, inputs, unit=None, skip_ro
     through: a half-precision cache's), so that a row a norm amplifies rounding in (tiny
     variance) is judged by that amplification; where `unit` is coarser than `dtype`'s, also
     16 units of it more. Rows marked in `skip_rows` (padded query positions, whose outputs are
-    not specified) are not compared."""
+    not specified) are not compared. With `bf16` (precision "bfloat16": `expected` is the
+    reference of the same rounding), also BF16_TOL of (1 + |expected|): a float32
+    intermediate near a tie rounds to the other bfloat16 neighbour, an error the spread does
+    not show."""
     if not isinstance(got, np.ndarray):
         raise Disallowed(f"{what}: not an ndarray: {type(got).__name__}")
     if got.dtype != dtype or got.shape != expected.shape:
@@ -1610,6 +1701,8 @@ def compare_layer(got, expected, spread, dtype, what, inputs, unit=None, skip_ro
         allowed = tol["atol"] + tol["rtol"] * np.abs(e) + 16 * factor * widen
         if unit is not None and unit > UNIT[dtype]:  # keys and values stored in a narrower dtype
             allowed = allowed + 16 * unit * (1 + np.abs(e))
+        if bf16:
+            allowed = allowed + BF16_TOL * (1 + np.abs(e))
         bad = ~(np.abs(g - e) <= allowed) & ~(np.isnan(g) & np.isnan(e))
     if bad.any():
         at = tuple(np.argwhere(bad)[0])
@@ -1670,6 +1763,7 @@ def fuzz_transformer_layer(p: Provider):
     if p.bool(0.6):
         randomize_parameters(p, module)
     dtype = layer.dtype
+    call_precision, bf16, invalid = module_or_call_precision(p, module, dtype)
     E, H = layer.d_model, layer.self_attn.num_heads
     batch_first = layer.batch_first
     N, L, S = p.int(0, 3), p.choice([0, 1, 2, 5, 9]), p.choice([0, 1, 3, 7])
@@ -1716,17 +1810,20 @@ def fuzz_transformer_layer(p: Provider):
     sequences = arrays[: 1 + decoder]
 
     def run():
-        return module(*(args[n] for n in sequences), **{n: args[n] for n in arrays[1 + decoder:] + flags})
+        return module(*(args[n] for n in sequences), **{n: args[n] for n in arrays[1 + decoder:] + flags},
+                      precision=call_precision)
 
     what = type(module).__name__
     changes = p.choice([0, 0, 0, 1, 1, 2])
-    if rarely(p, 0.2) and not (module.training and layer.dropout):
+    # (With bfloat16 products the weights are rounded once, at the first call: values written
+    # in place after it are not seen, as documented.)
+    if rarely(p, 0.2) and not (module.training and layer.dropout) and not bf16:
         # A first call (which keeps the core's view of the parameters), then a parameter
         # changed in place or assigned: the next call must see the new values.
         call(f"{what} (first call)", run)
         OUTCOMES["transformer: parameter changed after a call"] += 1
         changes = max(changes, 1)
-    n_mut = 0
+    n_mut = int(invalid)
     for _ in range(changes):
         n_mut += mutate_parameter(p, module)
     if rarely(p, 0.05):
@@ -1780,7 +1877,7 @@ def fuzz_transformer_layer(p: Provider):
                              f"{key} of shape {np.shape(plain(x))}, expected {shape}")
     params = layer_params(module, dtype)
 
-    def reference_in(run_dtype):
+    def reference_in(run_dtype, rounded=False):
         def arr(name):
             return np.asarray(plain(args[name])).astype(dtype).astype(run_dtype)
 
@@ -1792,7 +1889,7 @@ def fuzz_transformer_layer(p: Provider):
             own = {k[len(prefix):]: v.astype(run_dtype) for k, v in params.items() if k.startswith(prefix)}
             eps = tuple(float(getattr(one, n).eps) for n in ("norm1", "norm2", "norm3")[: 2 + decoder])
             common = dict(activation=one.activation, norm_first=bool(one.norm_first), batch_first=batch_first,
-                          layer_norm_eps=eps)
+                          layer_norm_eps=eps, precision="bfloat16" if rounded else None)
             if decoder:
                 x = reference.transformer_decoder_layer(
                     x, arr("memory"), own, H, tgt_is_causal=bool(args["tgt_is_causal"]),
@@ -1806,8 +1903,14 @@ def fuzz_transformer_layer(p: Provider):
         return x
 
     try:
-        expected = reference_of(lambda: reference_in(np.float64))
-        spread = reference_of(lambda: reference_in(np.float32))
+        if bf16:
+            # The reference of the same rounding; the spread is its distance from float64
+            # without rounding: the rounding as the row's norms amplify it.
+            expected = reference_of(lambda: reference_in(np.float32, rounded=True))
+            spread = reference_of(lambda: reference_in(np.float64))
+        else:
+            expected = reference_of(lambda: reference_in(np.float64))
+            spread = reference_of(lambda: reference_in(np.float32))
     except Planted:  # the activation raised in the reference: attnx had no rows to give it
         if got.size:
             raise Disallowed(f"{what}: a result where the activation raised") from None
@@ -1821,7 +1924,9 @@ def fuzz_transformer_layer(p: Provider):
     if args[padding_name] is not None:
         skip = closed_rows(args[padding_name], got_rows.shape[:2])
     scaled = inputs[:1 + decoder] + [scale_view(args[n]) for n in arrays[1 + decoder:]] + list(params.values())
-    compare_layer(got_rows, exp_rows, spread_rows, dtype, what, scaled, skip_rows=skip)
+    if bf16:
+        OUTCOMES[f"{what}: bfloat16 precision checked"] += 1
+    compare_layer(got_rows, exp_rows, spread_rows, dtype, what, scaled, skip_rows=skip, bf16=bf16)
     if stack:
         OUTCOMES[f"{what}: result checked"] += 1
 
@@ -1836,10 +1941,11 @@ def additive(mask, shape):
     return np.broadcast_to(m, shape)
 
 
-def decoder_reference(decoder, params, tokens, memory, cross_bias, run_dtype):
+def decoder_reference(decoder, params, tokens, memory, cross_bias, run_dtype, precision=None):
     """The reference decoder (each layer's attnx.reference.transformer_decoder_layer, then the
     final norm) over whole sequences with the causal tgt_mask: `tokens` (n, L, E) and `memory`
-    (n, S, E) batch first, `cross_bias` (n * nhead, L, S) the memory attention's mask."""
+    (n, S, E) batch first, `cross_bias` (n * nhead, L, S) the memory attention's mask; with
+    the products of `precision`."""
     x, mem = tokens.astype(run_dtype), memory.astype(run_dtype)
     L = x.shape[1]
     causal = np.triu(np.ones((L, L), bool), 1)
@@ -1849,7 +1955,8 @@ def decoder_reference(decoder, params, tokens, memory, cross_bias, run_dtype):
         eps = tuple(float(getattr(layer, n).eps) for n in ("norm1", "norm2", "norm3"))
         x = reference.transformer_decoder_layer(
             x, mem, own, layer.self_attn.num_heads, tgt_mask=causal, memory_mask=cross_bias.astype(run_dtype),
-            activation=layer.activation, layer_norm_eps=eps, norm_first=bool(layer.norm_first), batch_first=True)
+            activation=layer.activation, layer_norm_eps=eps, norm_first=bool(layer.norm_first), batch_first=True,
+            precision=precision)
     if decoder.norm is not None:
         weight, bias = params.get("norm.weight"), params.get("norm.bias")
         x = reference.layer_norm(x, None if weight is None else weight.astype(run_dtype),
@@ -1907,6 +2014,7 @@ def fuzz_transformer_step(p: Provider):
     if p.bool(0.7):
         randomize_parameters(p, decoder)
     dropout_applies = decoder.training and dropout > 0
+    step_precision, bf16, invalid = module_or_call_precision(p, decoder, dtype)  # every step's
     batch_first = layer.batch_first
     B = p.int(1, 3)
     batched = not (B == 1 and p.bool(0.3))
@@ -1940,9 +2048,17 @@ def fuzz_transformer_step(p: Provider):
             x = np.array([tokens[b] for b in bs])
             bias = np.array([cross[b] for b in bs]).transpose(0, 2, 1, 3).reshape(len(bs) * H, x.shape[1], S)
             mem = memory[bs]
-            expected, conditioning = norm_conditioning(
-                lambda: reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float64)))
-            spread = reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float32))
+            if bf16:
+                # The reference of the same rounding; the spread is its distance from float64
+                # without rounding (as in fuzz_transformer_layer).
+                expected, conditioning = norm_conditioning(lambda: reference_of(
+                    lambda: decoder_reference(decoder, params, x, mem, bias, np.float32, "bfloat16")))
+                spread = reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float64))
+                OUTCOMES["TransformerDecoder.step: bfloat16 precision checked"] += 1
+            else:
+                expected, conditioning = norm_conditioning(
+                    lambda: reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float64)))
+                spread = reference_of(lambda: decoder_reference(decoder, params, x, mem, bias, np.float32))
             if expected is None or spread is None:
                 raise Disallowed("TransformerDecoder.step: results where the reference rejects the decoder")
             got = np.array([outputs[b] for b in bs], dtype)
@@ -1953,7 +2069,7 @@ def fuzz_transformer_step(p: Provider):
                 OUTCOMES["TransformerDecoder.step: not comparable (half-precision cache, a norm ill-conditioned)"] += 1
                 continue
             compare_layer(got, expected, spread, dtype, "TransformerDecoder.step", [x, mem, scale_view(bias)]
-                          + list(params.values()), unit=unit)
+                          + list(params.values()), unit=unit, bf16=bf16)
 
     for _ in range(p.int(1, 4)):
         if rarely(p, 0.12):
@@ -2006,12 +2122,13 @@ def fuzz_transformer_step(p: Provider):
                 setattr(owner, attr, np.rint(broken[2] * 4).astype(int) if integral else malformed(p, broken[2]))
             n_mut += 1
             OUTCOMES["TransformerDecoder.step: a layer broken for a step"] += 1
+        n_mut += invalid  # (a precision the decoder cannot take: every step raises)
         inputs = [plain(args[n]) for n in ("tgt", "memory", "memory_key_padding_mask", "memory_mask")]
         snap = snapshot(inputs)
         before = cache_state(cache)
         ok, got = call("TransformerDecoder.step", lambda: decoder.step(
             args["tgt"], args["memory"], args["cache"], memory_key_padding_mask=args["memory_key_padding_mask"],
-            memory_mask=args["memory_mask"]))
+            memory_mask=args["memory_mask"], precision=step_precision))
         check_untouched(snap, "TransformerDecoder.step")
         if broken is not None:  # the parameter back, for the steps to come
             setattr(*broken)

@@ -415,15 +415,15 @@ def test_stacks_detect_the_causal_mask_as_torch(torch, monkeypatch, rng):
     seen = []
     encoder_layer, decoder_layer = attnx._layers.encoder_layer, attnx._layers.decoder_layer
 
-    def record_encoder(layer, src, mask, padding, is_causal, norm=None):
+    def record_encoder(layer, src, mask, padding, is_causal, norm=None, precision=0):
         seen.append(is_causal)
-        return encoder_layer(layer, src, mask, padding, is_causal, norm)
+        return encoder_layer(layer, src, mask, padding, is_causal, norm, precision)
 
     def record_decoder(layer, tgt, memory, tgt_mask, memory_mask, tgt_padding, memory_padding, tgt_is_causal,
-                       memory_is_causal, norm=None):
+                       memory_is_causal, norm=None, precision=0):
         seen.append(tgt_is_causal)
         return decoder_layer(layer, tgt, memory, tgt_mask, memory_mask, tgt_padding, memory_padding, tgt_is_causal,
-                             memory_is_causal, norm)
+                             memory_is_causal, norm, precision)
 
     monkeypatch.setattr(attnx._layers, "encoder_layer", record_encoder)
     monkeypatch.setattr(attnx._layers, "decoder_layer", record_decoder)

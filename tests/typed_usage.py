@@ -147,12 +147,31 @@ def runtime() -> None:
     attnx.set_num_threads(threads)
 
 
+def precision() -> None:
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 4, 16), dtype=np.float32)
+    out = attnx.scaled_dot_product_attention(q, q, q, is_causal=True, precision="bfloat16")
+    rounded = reference.scaled_dot_product_attention(q, q, q, is_causal=True, precision="bfloat16")
+    assert np.abs(out - rounded).max() < 3e-3
+    mha = attnx.MultiheadAttention(16, 4, batch_first=True, seed=0, precision="bfloat16")
+    x = np.ones((2, 3, 16), np.float32)
+    y, _ = mha(x, x, x, precision="float32")
+    mha.precision = "float32"
+    step = mha.step(x, mha.new_cache(2, 4), precision="bfloat16")
+    layer = attnx.TransformerEncoderLayer(16, 4, 32, 0.0, precision="bfloat16")
+    encoder = attnx.TransformerEncoder(layer, 2, precision=None)
+    z = encoder(x, precision="bfloat16")
+    kept: Optional[str] = encoder.precision
+    assert y.shape == step.shape == z.shape and kept == layer.precision == "bfloat16"
+
+
 def main() -> None:
     attend()
     module()
     decode()
     transformer()
     runtime()
+    precision()
 
 
 if __name__ == "__main__":

@@ -274,6 +274,31 @@ def additive_mask(mask, dtype: np.dtype, name: str, true_means_masked: bool) -> 
     raise TypeError(f"{name} must be a bool or floating-point array, got dtype {m.dtype}")
 
 
+# precision= and the core's code of it: the products' operands in the compute dtype (0), or
+# rounded to bfloat16 with float32 sums (1).
+PRECISION_NAMES = ("float32", "bfloat16")
+_PRECISION_CODES = {None: 0, "float32": 0, "bfloat16": 1}
+
+
+def precision_code(precision, dtype=None, what: str = "query", fix: str = "") -> int:
+    """The core's code of a ``precision`` argument: 0 for None or "float32", 1 for "bfloat16".
+
+    Anything else raises ValueError naming the choices. "bfloat16" computes in float32, so a
+    float64 compute dtype (`dtype`, decided by `what`) raises ValueError that says how to fix
+    the call (`fix`, by default converting `what` to float32).
+    """
+    code = _PRECISION_CODES.get(precision) if precision is None or isinstance(precision, str) else None
+    if code is None:
+        raise ValueError(f"precision must be None, 'float32' or 'bfloat16', got {precision!r}")
+    if code and dtype is not None and np.dtype(dtype) == np.float64:
+        fix = fix or f"convert {what} to float32 ({what}.astype(np.float32))"
+        raise ValueError(
+            f"precision='bfloat16' computes in float32 (bfloat16 operands, float32 sums), but {what} is "
+            f"float64: {fix}, or leave precision=None for float64 arithmetic"
+        )
+    return code
+
+
 def as_bool_flag(value, name: str) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)

@@ -41,9 +41,17 @@ from ._arrays import (
 
 _NAN = float("nan")
 
+
+def make_sdpa_options(causal, bottom_right, scale, window_left, window_right, enable_gqa, softcap, scores,
+                      precision) -> "_core.SdpaOptions":
+    """The core's options of checked values (`precision`: the core's code of it)."""
+    return _core.SdpaOptions(causal, bottom_right, scale, window_left, window_right, enable_gqa, softcap, scores,
+                             precision)
+
+
 # The options of the common calls, made once: [is_causal][enable_gqa].
 DEFAULT_SDPA_OPTIONS = tuple(
-    tuple(_core.SdpaOptions(causal, False, _NAN, -1, -1, gqa, 0.0, -1) for gqa in (False, True))
+    tuple(make_sdpa_options(causal, False, _NAN, -1, -1, gqa, 0.0, -1, 0) for gqa in (False, True))
     for causal in (False, True)
 )
 
@@ -102,31 +110,36 @@ _OPTIONS_CACHE: dict = {}
 _OPTIONS_CACHE_SIZE = 256
 
 
-def sdpa_options(is_causal, scale, enable_gqa, window, softcap=None, return_scores=None) -> "_core.SdpaOptions":
-    """The checked scalar arguments of scaled_dot_product_attention."""
+def sdpa_options(is_causal, scale, enable_gqa, window, softcap=None, return_scores=None,
+                 precision: int = 0) -> "_core.SdpaOptions":
+    """The checked scalar arguments of scaled_dot_product_attention; `precision` is the
+    core's code of it (precision_code)."""
     if window is not None:
-        return _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores)
+        return _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores, precision)
     key = (is_causal, is_causal.__class__, scale, scale.__class__, enable_gqa, enable_gqa.__class__,
-           softcap, softcap.__class__, return_scores, return_scores.__class__)
+           softcap, softcap.__class__, return_scores, return_scores.__class__, precision)
     try:
         options = _OPTIONS_CACHE.get(key)
     except TypeError:  # an unhashable argument: checked (and refused) below
         options = key = None
     if options is None:
-        options = _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores)
+        options = _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores, precision)
         if key is not None and len(_OPTIONS_CACHE) < _OPTIONS_CACHE_SIZE:
             _OPTIONS_CACHE[key] = options
     return options
 
 
-def _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores) -> "_core.SdpaOptions":
+def _make_sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores,
+                       precision) -> "_core.SdpaOptions":
     causal, bottom_right = causal_mode(is_causal)
     enable_gqa = as_bool_flag(enable_gqa, "enable_gqa")
     window_left, window_right = window_bounds(window)
     scale = _NAN if scale is None else as_finite_scale(scale)
-    return _core.SdpaOptions(
-        causal, bottom_right, scale, window_left, window_right, enable_gqa, as_softcap(softcap), score_stage(return_scores)
+    return make_sdpa_options(
+        causal, bottom_right, scale, window_left, window_right, enable_gqa, as_softcap(softcap),
+        score_stage(return_scores), precision,
     )
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,20 +263,28 @@ def sdpa_call(query, key, value, attn_mask, options, out) -> tuple:
 # ---------------------------------------------------------------------------------------------
 
 
-def mha_options(is_causal, need_weights, average_attn_weights, batch_first, attn_mask) -> "_core.MhaOptions":
-    """The checked flags of a multi-head attention call.
+def mha_options(is_causal, need_weights, average_attn_weights, batch_first, attn_mask,
+                precision: int = 0) -> "_core.MhaOptions":
+    """The checked flags of a multi-head attention call; `precision` is the core's code of it.
 
     With an attn_mask, is_causal is a hint (as in torch's module): the mask is used as given.
     """
     causal, bottom_right = causal_mode(is_causal)
     causal = causal and attn_mask is None
-    return _core.MhaOptions(
+    return make_mha_options(
         causal,
         causal and bottom_right,
         as_bool_flag(need_weights, "need_weights"),
         as_bool_flag(average_attn_weights, "average_attn_weights"),
         as_bool_flag(batch_first, "batch_first"),
+        precision,
     )
+
+
+def make_mha_options(causal, bottom_right, need_weights, average_weights, batch_first,
+                     precision) -> "_core.MhaOptions":
+    """The core's options of checked flags (`precision`: the core's code of it)."""
+    return _core.MhaOptions(causal, bottom_right, need_weights, average_weights, batch_first, precision)
 
 
 def _parameter(x, dtype, name, shape) -> np.ndarray:
@@ -486,7 +507,7 @@ def _step_rows(x, cache, batch_first: bool) -> tuple:
     return kernel_layout(x.reshape(-1, x.shape[2])), x.shape[:2], T
 
 
-def mha_step(weights, query, cache, lengths, batch_first: bool):
+def mha_step(weights, query, cache, lengths, batch_first: bool, precision: int = 0):
     """One decoding step of causal self-attention over `cache` (see multi_head_attention_step).
 
     The keys and values of the new tokens are appended and the cache's lengths grow only when
@@ -508,8 +529,10 @@ def mha_step(weights, query, cache, lengths, batch_first: bool):
     if rows.shape[0] == 0:
         return np.zeros(lead + (weights.out_dim,), weights.dtype)
     cache.check_room(np.full(cache.batch, T, np.int64) if n is None else n)
-    out = _core.mha_step(weights, rows, cache, n, _STEP_OPTIONS[batch_first]).reshape(lead + (weights.out_dim,))
+    options = (_STEP_OPTIONS[batch_first] if not precision
+               else make_mha_options(True, True, False, False, batch_first, precision))
+    out = _core.mha_step(weights, rows, cache, n, options).reshape(lead + (weights.out_dim,))
     return out if out.dtype == weights.dtype else out.astype(weights.dtype)
 
 
-_STEP_OPTIONS = tuple(_core.MhaOptions(True, True, False, False, batch_first) for batch_first in (False, True))
+_STEP_OPTIONS = tuple(make_mha_options(True, True, False, False, batch_first, 0) for batch_first in (False, True))

@@ -102,9 +102,9 @@ def _block_masks(attn_mask: Any, key_padding_mask: Any, dtype: np.dtype[Any], N:
 
 
 def encoder_layer(layer: Any, src: np.ndarray[Any, Any], src_mask: Any, src_key_padding_mask: Any, is_causal: bool,
-                  norm: Any = None) -> np.ndarray[Any, Any]:
+                  norm: Any = None, precision: int = 0) -> np.ndarray[Any, Any]:
     """One encoder layer (then `norm`, a stack's final norm, if given) on a 3-D `src` in the
-    layer's layout and compute dtype."""
+    layer's layout and compute dtype; `precision` is the core's code of it."""
     weights = layer_weights(layer)
     dtype = compute_dtype(layer)
     N, L = _batch(src, layer.batch_first)
@@ -112,15 +112,15 @@ def encoder_layer(layer: Any, src: np.ndarray[Any, Any], src_mask: Any, src_key_
                          ("src_mask", "src_key_padding_mask"))
     return _core.transformer_layer(
         weights, kernel_layout(src), None, masks, None, layer.batch_first, bool(is_causal) and src_mask is None, False,
-        final_norm(norm, dtype), None, None,
+        final_norm(norm, dtype), None, None, precision,
     )
 
 
 def decoder_layer(layer: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any, Any], tgt_mask: Any, memory_mask: Any,
                   tgt_key_padding_mask: Any, memory_key_padding_mask: Any, tgt_is_causal: bool,
-                  memory_is_causal: bool, norm: Any = None) -> np.ndarray[Any, Any]:
+                  memory_is_causal: bool, norm: Any = None, precision: int = 0) -> np.ndarray[Any, Any]:
     """One decoder layer (then `norm`, if given) on 3-D `tgt` and `memory` in the layer's layout
-    and compute dtype."""
+    and compute dtype; `precision` is the core's code of it."""
     weights = layer_weights(layer)
     dtype = compute_dtype(layer)
     N, L = _batch(tgt, layer.batch_first)
@@ -132,7 +132,7 @@ def decoder_layer(layer: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any,
     return _core.transformer_layer(
         weights, kernel_layout(tgt), kernel_layout(memory), self_masks, cross_masks, layer.batch_first,
         bool(tgt_is_causal) and tgt_mask is None, bool(memory_is_causal) and memory_mask is None,
-        final_norm(norm, dtype), None, None,
+        final_norm(norm, dtype), None, None, precision,
     )
 
 
@@ -152,8 +152,10 @@ def layer_norm(x: np.ndarray[Any, Any], norm: Any) -> np.ndarray[Any, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _memory_projections(layer: Any, memory: np.ndarray[Any, Any], batch_first: bool, dtype: np.dtype[Any]) -> tuple:
-    """The keys and values of a decoder layer's cross-attention over `memory`, (N, H, S, E / H)."""
+def _memory_projections(layer: Any, memory: np.ndarray[Any, Any], batch_first: bool, dtype: np.dtype[Any],
+                        precision: int) -> tuple:
+    """The keys and values of a decoder layer's cross-attention over `memory`, (N, H, S, E / H),
+    with the products of `precision` (the core's code)."""
     mha = layer.multihead_attn
     E, H = mha.embed_dim, mha.num_heads
     rows = memory if batch_first else memory.transpose(1, 0, 2)
@@ -170,15 +172,16 @@ def _memory_projections(layer: Any, memory: np.ndarray[Any, Any], batch_first: b
     projected = []
     for weight, bias in zip(weights, biases):
         out = np.empty((N * S, E), dtype)
-        _core.linear(rows, weight, bias, out)
+        _core.linear(rows, weight, bias, out, precision)
         projected.append(out.reshape(N, S, H, E // H).transpose(0, 2, 1, 3))
     return tuple(projected)
 
 
 def decoder_step(decoder: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any, Any], cache: Any,
-                 memory_key_padding_mask: Any, memory_mask: Any) -> np.ndarray[Any, Any]:
+                 memory_key_padding_mask: Any, memory_mask: Any, precisions: list[int]) -> np.ndarray[Any, Any]:
     """The stack's output at the new positions of `tgt` (3-D, the layers' layout and compute
-    dtype) over `cache`; the cache grows only where every layer succeeds."""
+    dtype) over `cache`, each layer with the precision of `precisions` (the core's codes); the
+    cache grows only where every layer succeeds."""
     layers = decoder.layers
     first = layers[0]
     batch_first = first.batch_first
@@ -192,10 +195,13 @@ def decoder_step(decoder: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any
                                ("memory_mask", "memory_key_padding_mask"))
     norm = final_norm(decoder.norm, dtype)
     tgt, memory = kernel_layout(tgt), kernel_layout(memory)
-    # The memory's projections are kept with the cross-attention parameters they were made with.
-    owners = tuple(layer.multihead_attn._weights() for layer in layers)
+    # The memory's projections are kept with the cross-attention parameters and the precisions
+    # they were made with.
+    owners = tuple(layer.multihead_attn._weights() for layer in layers) + tuple(precisions)
     memory_kv = cache._memory_keys_values(
-        memory, owners, lambda: [_memory_projections(layer, memory, batch_first, dtype) for layer in layers]
+        memory, owners,
+        lambda: [_memory_projections(layer, memory, batch_first, dtype, code)
+                 for layer, code in zip(layers, precisions)],
     )
     lengths = [c.storage().lengths for c in cache.layers]
     before = [n.copy() for n in lengths]
@@ -204,7 +210,7 @@ def decoder_step(decoder: Any, tgt: np.ndarray[Any, Any], memory: np.ndarray[Any
         for i, layer in enumerate(layers):
             x = _core.transformer_layer(
                 weights[i], x, memory, None, cross_masks, batch_first, False, False,
-                norm if i == len(layers) - 1 else None, cache.layers[i], memory_kv[i],
+                norm if i == len(layers) - 1 else None, cache.layers[i], memory_kv[i], precisions[i],
             )
     except BaseException:
         for n, b in zip(lengths, before):

@@ -25,12 +25,13 @@ from ._layer_parts import (
     _sequence,
     _torch_parameter_dtype,
 )
-from .modules import MultiheadAttention, _check_device, _module_dtype
+from ._arrays import PRECISION_NAMES
+from .modules import MultiheadAttention, _check_device, _module_dtype, module_precision
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import ActivationFunction, FloatArray, TorchDevice, TorchDType
+    from ._typing import ActivationFunction, FloatArray, Precision, TorchDevice, TorchDType
 
 __all__ = ["TransformerDecoderLayer", "TransformerEncoderLayer"]
 
@@ -66,6 +67,8 @@ class _TransformerLayer(_Module):
     activation: str | ActivationFunction
     dropout: float
     dtype: np.dtype[Any]
+    precision: Precision
+    _precision: int
 
     # Names of the attention modules and of the norms, in torch's order.
     _ATTENTIONS: tuple[str, ...] = ("self_attn",)
@@ -85,6 +88,7 @@ class _TransformerLayer(_Module):
         device: Any,
         dtype: Any,
         seed: Any,
+        precision: Any,
     ) -> None:
         """torch's modules of the layer, drawn in torch's order from ``default_rng(seed)``."""
         _check_device(device)
@@ -109,6 +113,25 @@ class _TransformerLayer(_Module):
         self.linear2 = Linear(dim_feedforward, d_model, bias, dtype=self.dtype, seed=rng)
         for name in self._NORMS:
             setattr(self, name, LayerNorm(d_model, eps, bias=bias, dtype=self.dtype))
+        self.precision = "float32" if precision is None else precision  # checked by __setattr__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "precision":
+            # Checked here; the layer's attention modules compute with it too when called alone.
+            code = module_precision(self, value)
+            value = PRECISION_NAMES[code]
+            for attention in self._ATTENTIONS:
+                getattr(self, attention).precision = value
+            object.__setattr__(self, "_precision", code)
+        super().__setattr__(name, value)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Pickles of versions without precision: the default.
+        self.__dict__.update({"precision": "float32", "_precision": 0, **state})
+
+    def _call_precision(self, precision: Any) -> int:
+        """The core's code of a call's ``precision``: None is the layer's."""
+        return self._precision if precision is None else module_precision(self, precision)
 
     def _children(self) -> list[tuple[str, Any]]:
         names = self._ATTENTIONS + ("linear1", "linear2") + self._NORMS
@@ -145,7 +168,7 @@ class _TransformerLayer(_Module):
                 )
 
     @classmethod
-    def _copy_of_torch(cls, module: Any, activation: str | ActivationFunction | None) -> Any:
+    def _copy_of_torch(cls, module: Any, activation: str | ActivationFunction | None, precision: Any) -> Any:
         names = cls._ATTENTIONS + ("linear1", "linear2") + cls._NORMS
         lacking = [n for n in names + ("norm_first",) if not hasattr(module, n)]
         if lacking or not callable(getattr(module, "state_dict", None)):
@@ -170,6 +193,7 @@ class _TransformerLayer(_Module):
             module.linear1.bias is not None,
             dtype=_torch_parameter_dtype(module.linear1.weight),
             seed=0,  # every parameter is overwritten just below
+            precision=precision,
         )
         for name in cls._NORMS:
             getattr(new, name).eps = _layer_norm_eps(float(getattr(module, name).eps))
@@ -195,6 +219,8 @@ class _TransformerLayer(_Module):
         if self.linear1.bias is None:
             args.append("bias=False")
         args.append(f"dtype={self.dtype.name}")
+        if self._precision:
+            args.append(f"precision={self.precision!r}")
         return f"{type(self).__name__}({', '.join(args)})"
 
 
@@ -232,6 +258,14 @@ _LAYER_PARAMETERS = """
         dtypes, computed in float32.
     seed : int, numpy.random.Generator or None, default None
         Keyword-only. Seed of ``np.random.default_rng`` for the initial parameters.
+    precision : {None, "float32", "bfloat16"}, default None
+        Keyword-only. The precision of the layer's products (None is ``"float32"``), also
+        set on its attention modules; a call's ``precision=`` overrides it. ``"bfloat16"``
+        rounds the operands of every product (the attention's projections, scores and
+        probabilities, the feed-forward's inputs and weights) to bfloat16, with float32
+        sums; norms, activations, biases and the softmax stay float32. Not for float64
+        layers. The weights are rounded once per parameter set, as
+        :class:`attnx.MultiheadAttention`'s.
 """
 
 
@@ -299,9 +333,10 @@ class TransformerEncoderLayer(_TransformerLayer):
         dtype: npt.DTypeLike | TorchDType | None = None,
         *,
         seed: int | np.random.Generator | None = None,
+        precision: Precision | None = None,
     ) -> None:
         self._build(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first,
-                    bias, device, dtype, seed)
+                    bias, device, dtype, seed, precision)
 
     def forward(
         self,
@@ -309,6 +344,8 @@ class TransformerEncoderLayer(_TransformerLayer):
         src_mask: npt.ArrayLike | None = None,
         src_key_padding_mask: npt.ArrayLike | None = None,
         is_causal: bool = False,
+        *,
+        precision: Precision | None = None,
     ) -> FloatArray:
         """The layer's output, as ``torch.nn.TransformerEncoderLayer.forward`` in ``eval()`` mode.
 
@@ -323,6 +360,8 @@ class TransformerEncoderLayer(_TransformerLayer):
         is_causal : bool, default False
             Without ``src_mask``: query ``i`` attends keys ``j <= i`` (torch needs the mask
             as well). With ``src_mask``: a hint that the mask is causal; the mask is used.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. This call's precision; None is the layer's.
 
         Returns
         -------
@@ -347,17 +386,19 @@ class TransformerEncoderLayer(_TransformerLayer):
         True
         """
         self._check_inference()
+        code = self._call_precision(precision)
         x, batched = _sequence(src, "src", self.dtype, self.d_model, self.batch_first)
         N, L = _lengths(x, self.batch_first)
         mask = _attn_mask(src_mask, "src_mask", N, self.self_attn.num_heads, L, L, batched)
         padding = _padding_mask(src_key_padding_mask, "src_key_padding_mask", N, L, batched)
-        out = _layers.encoder_layer(self, x, mask, padding, as_bool_flag(is_causal, "is_causal"))
+        out = _layers.encoder_layer(self, x, mask, padding, as_bool_flag(is_causal, "is_causal"), precision=code)
         return _result(out, batched, self.batch_first, self.dtype)
 
     __call__ = forward
 
     @classmethod
-    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None) -> TransformerEncoderLayer:
+    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None,
+                   precision: Precision | None = None) -> TransformerEncoderLayer:
         """An attnx layer with the configuration and parameters of a ``torch.nn.TransformerEncoderLayer``.
 
         Parameters
@@ -369,6 +410,8 @@ class TransformerEncoderLayer(_TransformerLayer):
             ``F.relu``, ``F.gelu``, ``nn.ReLU()`` or ``nn.GELU()`` (exact) is read as "relu"
             or "gelu"; any other activation raises ValueError unless this argument gives its
             NumPy counterpart.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. The copy's ``precision``.
 
         Returns
         -------
@@ -390,7 +433,7 @@ class TransformerEncoderLayer(_TransformerLayer):
         >>> bool(np.allclose(layer(src), expected, atol=1e-5))
         True
         """
-        return cls._copy_of_torch(module, activation)  # type: ignore[no-any-return]
+        return cls._copy_of_torch(module, activation, precision)  # type: ignore[no-any-return]
 
 
 class TransformerDecoderLayer(_TransformerLayer):
@@ -451,9 +494,10 @@ class TransformerDecoderLayer(_TransformerLayer):
         dtype: npt.DTypeLike | TorchDType | None = None,
         *,
         seed: int | np.random.Generator | None = None,
+        precision: Precision | None = None,
     ) -> None:
         self._build(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first,
-                    bias, device, dtype, seed)
+                    bias, device, dtype, seed, precision)
 
     def forward(
         self,
@@ -465,6 +509,8 @@ class TransformerDecoderLayer(_TransformerLayer):
         memory_key_padding_mask: npt.ArrayLike | None = None,
         tgt_is_causal: bool = False,
         memory_is_causal: bool = False,
+        *,
+        precision: Precision | None = None,
     ) -> FloatArray:
         """The layer's output, as ``torch.nn.TransformerDecoderLayer.forward`` in ``eval()`` mode.
 
@@ -488,6 +534,8 @@ class TransformerDecoderLayer(_TransformerLayer):
         memory_is_causal : bool, default False
             Without ``memory_mask``: query ``i`` attends ``memory`` positions ``j <= i``
             (top-left). With it: a hint; the mask is used.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. This call's precision; None is the layer's.
 
         Returns
         -------
@@ -510,18 +558,20 @@ class TransformerDecoderLayer(_TransformerLayer):
         (2, 3, 8)
         """
         self._check_inference()
+        code = self._call_precision(precision)
         x, batched = _sequence(tgt, "tgt", self.dtype, self.d_model, self.batch_first)
         mem = _memory(memory, x, batched, np.shape(tgt), self)
         masks = _decoder_masks(self, x, mem, batched, tgt_mask, memory_mask, tgt_key_padding_mask,
                                memory_key_padding_mask)
         out = _layers.decoder_layer(self, x, mem, *masks, as_bool_flag(tgt_is_causal, "tgt_is_causal"),
-                                    as_bool_flag(memory_is_causal, "memory_is_causal"))
+                                    as_bool_flag(memory_is_causal, "memory_is_causal"), precision=code)
         return _result(out, batched, self.batch_first, self.dtype)
 
     __call__ = forward
 
     @classmethod
-    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None) -> TransformerDecoderLayer:
+    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None,
+                   precision: Precision | None = None) -> TransformerDecoderLayer:
         """An attnx layer with the configuration and parameters of a ``torch.nn.TransformerDecoderLayer``.
 
         Parameters
@@ -531,6 +581,8 @@ class TransformerDecoderLayer(_TransformerLayer):
         activation : {"relu", "gelu"} or callable, optional
             Keyword-only. The copy's activation; by default the torch layer's, as in
             :meth:`TransformerEncoderLayer.from_torch`.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. The copy's ``precision``.
 
         Returns
         -------
@@ -547,7 +599,7 @@ class TransformerDecoderLayer(_TransformerLayer):
         >>> attnx.TransformerDecoderLayer.from_torch(module, activation=lambda x: x * (x > 0)).activation
         <function <lambda> at 0x...>
         """
-        return cls._copy_of_torch(module, activation)  # type: ignore[no-any-return]
+        return cls._copy_of_torch(module, activation, precision)  # type: ignore[no-any-return]
 
 
 TransformerEncoderLayer.__doc__ = (TransformerEncoderLayer.__doc__ or "").replace("{parameters}", _LAYER_PARAMETERS)

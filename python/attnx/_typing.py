@@ -8,7 +8,7 @@ subscriptable.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,9 @@ FloatArray = npt.NDArray[np.floating[Any]]
 #: A feed-forward activation of the transformer layers other than "relu" and "gelu": a function
 #: of a float32 or float64 array that gives an array of the same shape.
 ActivationFunction = Callable[[FloatArray], npt.ArrayLike]
+
+#: A ``precision=`` of the entry points and modules (None is "float32").
+Precision = Literal["float32", "bfloat16"]
 
 #: The int64 lengths of a KVCache.
 IntArray = npt.NDArray[np.int64]

@@ -22,6 +22,7 @@ from ._canonical import (
     as_softcap,
     check_cache,
     check_dropout,
+    make_sdpa_options,
     mha_options,
     mha_step,
     mha_weights,
@@ -36,6 +37,7 @@ from ._arrays import (
     causal_bias,
     check_out,
     kernel_layout,
+    precision_code,
     result_and_compute_dtype,
     shape_str,
     window_bounds,
@@ -45,7 +47,7 @@ from .cache import KVCache
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import FloatArray, IntArray
+    from ._typing import FloatArray, IntArray, Precision
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -69,6 +71,7 @@ def scaled_dot_product_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     return_scores: None = None,
+    precision: Precision | None = None,
     out: FloatArray | None = None,
 ) -> FloatArray: ...
 
@@ -87,6 +90,7 @@ def scaled_dot_product_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     return_scores: Literal["qk", "softcapped", "masked", "softmax"],
+    precision: Precision | None = None,
     out: FloatArray | None = None,
 ) -> tuple[FloatArray, FloatArray]: ...
 
@@ -104,6 +108,7 @@ def scaled_dot_product_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     return_scores: Literal["qk", "softcapped", "masked", "softmax"] | None = None,
+    precision: Precision | None = None,
     out: FloatArray | None = None,
 ) -> FloatArray | tuple[FloatArray, FloatArray]:
     """Scaled dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
@@ -162,6 +167,13 @@ def scaled_dot_product_attention(
         ``"softmax"`` the probabilities (a row with no open key is zeros).
         The output is the same, to the bit, as without them; the scores are
         the only ``L x S`` array the call allocates.
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        The products' precision. None or ``"float32"``: products and sums in
+        the compute dtype. ``"bfloat16"``: the scaled queries, the keys, the
+        probabilities and the values are rounded to bfloat16 (to nearest
+        even) before their products, and the sums are float32; the softmax
+        and the masks stay float32. float32 computations only (ValueError
+        for float64 queries). See docs/api.md, "Precision".
     out : ndarray, optional
         C-contiguous array of the result's shape and dtype to write into.
 
@@ -203,13 +215,15 @@ def scaled_dot_product_attention(
         and is_causal.__class__ is bool
         and enable_gqa.__class__ is bool
         and (attn_mask is None or attn_mask.__class__ is np.ndarray)
+        and precision is None
     ):
         return _core.sdpa(query, key, value, attn_mask, DEFAULT_SDPA_OPTIONS[is_causal][enable_gqa], out)
     if dropout_p.__class__ is not float or dropout_p:
         check_dropout(dropout_p)
     if attn_mask is not None and not isinstance(attn_mask, np.ndarray):
         attn_mask, is_causal = _causal_bias_as_causal(attn_mask, is_causal, query, key)
-    options = sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores)
+    code = 0 if precision is None else precision_code(precision, result_and_compute_dtype(query)[1])
+    options = sdpa_options(is_causal, scale, enable_gqa, window, softcap, return_scores, code)
     return _core.sdpa(query, key, value, attn_mask, options, out)
 
 
@@ -262,6 +276,7 @@ def multi_head_attention_forward(
     is_causal: bool | Literal["top_left", "bottom_right"] = False,
     *,
     batch_first: bool = False,
+    precision: Precision | None = None,
 ) -> tuple[FloatArray, FloatArray | None]:
     """Multi-head attention forward, as ``torch.nn.functional.multi_head_attention_forward``.
 
@@ -317,6 +332,12 @@ def multi_head_attention_forward(
         no ``attn_mask``; when one is given, it is used as given.
     batch_first : bool, keyword-only
         Inputs and output are (N, L, E) (an attnx addition).
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        The products' precision (an attnx addition). ``"bfloat16"`` rounds the
+        operands of the projections (inputs and weights), of the scores and
+        of the probabilities' product with the values to bfloat16, with
+        float32 sums; biases, masks and the softmax stay float32. float32
+        computations only. See :func:`scaled_dot_product_attention`.
 
     Returns
     -------
@@ -359,8 +380,9 @@ def multi_head_attention_forward(
         use_separate_proj_weight=as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight"),
         q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight,
     )
+    code = 0 if precision is None else precision_code(precision, dtype)
     weights = mha_weights(params, num_heads, E, dtype, result_dtype)
-    options = mha_options(is_causal, need_weights, average_attn_weights, batch_first, attn_mask)
+    options = mha_options(is_causal, need_weights, average_attn_weights, batch_first, attn_mask, code)
     extras = (attn_mask, key_padding_mask, static_k, static_v)
     return _core.mha(weights, query, key, value, None if all(x is None for x in extras) else extras, options)
 
@@ -395,7 +417,7 @@ def _query_lengths(lengths: npt.ArrayLike | None, batch: int, T: int) -> IntArra
     return as_lengths(lengths, batch, T, "lengths", f"T = {T}, the query's tokens per sequence")
 
 
-def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, softcap, out) -> None:
+def _attend_cache(q, cache: KVCache, n, options, out) -> None:
     """The attention of the newest n[b] tokens of each sequence over the cache, into `out`.
 
     `q` (B, Hq, T, E), checked; `out` (B, Hq, T, Ev) C-contiguous, of any float dtype.
@@ -408,7 +430,6 @@ def _attend_cache(q, cache: KVCache, n, scale, window_left, window_right, softca
     computed = out if out.dtype == dtype else np.empty(out.shape, dtype)
     key, value, lengths = cache.storage()
     scales = cache.scales()
-    options = _core.SdpaOptions(True, True, scale, window_left, window_right, True, softcap)
     query = kernel_layout(as_float(q, dtype, "query"))
     if scales is None:
         _core.cached_attention(query, key, value, lengths, n, options, computed)
@@ -428,6 +449,7 @@ def cached_attention(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    precision: Precision | None = None,
     out: FloatArray | None = None,
 ) -> FloatArray:
     """Attention of the newest tokens of each sequence over a :class:`KVCache`.
@@ -468,6 +490,11 @@ def cached_attention(
         aligned): query ``t`` attends only keys ``j >= lengths_b - n_b + t - left``.
     softcap : float, optional, keyword-only
         Soft-capped scores, as in :func:`scaled_dot_product_attention`.
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        The products' precision, as in :func:`scaled_dot_product_attention`:
+        ``"bfloat16"`` rounds the scaled queries, the cached keys and values
+        (widened from the cache's dtype) and the probabilities to bfloat16.
+        Not with a float64 cache (ValueError).
     out : ndarray, optional, keyword-only
         C-contiguous array of the result's shape and dtype to write into.
 
@@ -490,6 +517,8 @@ def cached_attention(
     """
     cache = check_cache(cache)
     result_dtype, _ = result_and_compute_dtype(query)
+    code = 0 if precision is None else precision_code(
+        precision, _cache_compute_dtype(cache), "the cache", "use a KVCache of float32, float16, bfloat16 or int8")
     q = as_float(query, result_dtype, "query")
     B, Hkv, E = cache.batch, cache.num_kv_heads, cache.head_dim
     if q.ndim != 4 or q.shape[0] != B or q.shape[3] != E or q.shape[1] == 0 or q.shape[1] % Hkv != 0:
@@ -511,7 +540,8 @@ def cached_attention(
     n = _query_lengths(lengths, B, T)
     window_left, window_right = window_bounds(window)
     scale = (1.0 / math.sqrt(E)) if scale is None else as_finite_scale(scale)
-    softcap = as_softcap(softcap)
+    # Made before anything is appended: a call the core's options refuse changes nothing.
+    options = make_sdpa_options(True, True, scale, window_left, window_right, True, as_softcap(softcap), -1, code)
     result_shape = (B, Hq, T, cache.value_dim)
     if out is None:
         out = np.empty(result_shape, result_dtype)
@@ -526,7 +556,7 @@ def cached_attention(
             f"{cache.lengths.tolist()}: the query tokens must be the newest tokens in the cache "
             f"(pass key and value to append them)"
         )
-    _attend_cache(q, cache, n, scale, window_left, window_right, softcap, out)
+    _attend_cache(q, cache, n, options, out)
     return out
 
 
@@ -545,6 +575,7 @@ def multi_head_attention_step(
     q_proj_weight: npt.ArrayLike | None = None,
     k_proj_weight: npt.ArrayLike | None = None,
     v_proj_weight: npt.ArrayLike | None = None,
+    precision: Precision | None = None,
 ) -> FloatArray:
     """One decoding step of causal self-attention over a :class:`KVCache`.
 
@@ -581,6 +612,9 @@ def multi_head_attention_step(
         (each (E, E)) instead of ``in_proj_weight``.
     q_proj_weight, k_proj_weight, v_proj_weight : array_like, shape (E, E), optional, keyword-only
         The separate projections, with ``use_separate_proj_weight``.
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        The products' precision, as in :func:`multi_head_attention_forward`
+        (float32 computations only).
 
     Returns
     -------
@@ -607,5 +641,6 @@ def multi_head_attention_step(
         use_separate_proj_weight=as_bool_flag(use_separate_proj_weight, "use_separate_proj_weight"),
         q_proj_weight=q_proj_weight, k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight,
     )
+    code = 0 if precision is None else precision_code(precision, dtype)
     weights = mha_weights(params, num_heads, E, dtype, result_dtype)
-    return mha_step(weights, query, cache, lengths, as_bool_flag(batch_first, "batch_first"))
+    return mha_step(weights, query, cache, lengths, as_bool_flag(batch_first, "batch_first"), code)

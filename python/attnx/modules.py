@@ -22,14 +22,23 @@ import numpy as np
 
 from . import _core
 
-from ._arrays import as_array, as_bool_flag, as_positive_int, check_heads, is_floating, shape_str
+from ._arrays import (
+    PRECISION_NAMES,
+    as_array,
+    as_bool_flag,
+    as_positive_int,
+    check_heads,
+    is_floating,
+    precision_code,
+    shape_str,
+)
 from .cache import KVCache, _storage_dtype
 from ._canonical import mha_options, mha_step, mha_weights
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import FloatArray, TorchDevice, TorchDType
+    from ._typing import FloatArray, Precision, TorchDevice, TorchDType
 
 __all__ = ["MultiheadAttention"]
 
@@ -107,7 +116,14 @@ def _dropout_probability(p: float) -> float:
 
 
 # Attributes that are not parameters: setting them keeps the module's checked weights.
-_MODE_ATTRIBUTES = frozenset({"training", "dropout"})
+_MODE_ATTRIBUTES = frozenset({"training", "dropout", "precision"})
+
+
+def module_precision(module: Any, precision: Any) -> int:
+    """The core's code of a module's ``precision``, checked against its dtype (set as its
+    attribute: float64 modules compute in float64, not with bfloat16 products)."""
+    return precision_code(precision, np.float64 if module.dtype == np.float64 else np.float32,
+                          "the module's dtype", "construct the module with dtype=np.float32")
 
 _DROPOUT_MESSAGE = (
     "MultiheadAttention with dropout={dropout} in training mode: attnx is an inference library: "
@@ -245,6 +261,17 @@ class MultiheadAttention:
     seed : int, numpy.random.Generator or None, default None
         Keyword-only. Seed of ``np.random.default_rng`` for the initial
         parameters.
+    precision : {None, "float32", "bfloat16"}, default None
+        Keyword-only. The precision of the module's products (None is
+        ``"float32"``); a call's ``precision=`` overrides it. ``"bfloat16"``
+        rounds the operands of the projections, of the scores and of the
+        probabilities' product with the values to bfloat16, with float32
+        sums (see :func:`attnx.scaled_dot_product_attention`); not for
+        float64 modules. The weights are rounded to bfloat16 once, at the
+        first such call after a parameter is assigned: values written into
+        the parameter arrays in place after that are not seen by calls with
+        ``"bfloat16"`` until a parameter is assigned again (or
+        :meth:`load_state_dict` loads new values).
 
     Attributes
     ----------
@@ -265,6 +292,9 @@ class MultiheadAttention:
     training : bool
         True after construction (as torch's modules); :meth:`eval` and
         :meth:`train` set it.
+    precision : {"float32", "bfloat16"}
+        The precision of calls that do not give one; assignable. Kept by
+        pickle, not part of :meth:`state_dict`.
 
     Notes
     -----
@@ -311,6 +341,8 @@ class MultiheadAttention:
     dtype: np.dtype[Any]
     dropout: float
     training: bool
+    precision: Precision
+    _precision: int
     in_proj_weight: FloatArray | None
     q_proj_weight: FloatArray | None
     k_proj_weight: FloatArray | None
@@ -336,6 +368,7 @@ class MultiheadAttention:
         dtype: npt.DTypeLike | TorchDType | None = None,
         *,
         seed: int | np.random.Generator | None = None,
+        precision: Precision | None = None,
     ) -> None:
         _check_device(device)
         self.dropout = dropout  # checked by __setattr__
@@ -353,6 +386,7 @@ class MultiheadAttention:
         self.add_zero_attn = as_bool_flag(add_zero_attn, "add_zero_attn")
         self.batch_first = as_bool_flag(batch_first, "batch_first")
         self.dtype = _module_dtype(dtype)
+        self.precision = "float32" if precision is None else precision  # checked by __setattr__
         self._reset_parameters(np.random.default_rng(seed))
 
     # ------------------------------------------------------------------------------------------
@@ -627,7 +661,7 @@ class MultiheadAttention:
         return LoadStateDictResult(missing, unexpected)
 
     @classmethod
-    def from_torch(cls, module: Any) -> MultiheadAttention:
+    def from_torch(cls, module: Any, *, precision: Precision | None = None) -> MultiheadAttention:
         """An attnx module with the configuration and weights of a ``torch.nn.MultiheadAttention``.
 
         Parameters
@@ -635,6 +669,8 @@ class MultiheadAttention:
         module : torch.nn.MultiheadAttention
             Read through its attributes and ``state_dict()``; attnx does not
             import torch.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. The copy's ``precision`` (torch's module has none).
 
         Returns
         -------
@@ -693,6 +729,7 @@ class MultiheadAttention:
             batch_first=bool(module.batch_first),
             dtype=dtype,
             seed=0,  # every parameter is overwritten just below
+            precision=precision,
         )
         new.load_state_dict(module.state_dict())
         new.train(bool(getattr(module, "training", False)))
@@ -719,6 +756,8 @@ class MultiheadAttention:
         attn_mask: npt.ArrayLike | None = None,
         average_attn_weights: bool = True,
         is_causal: bool | Literal["top_left", "bottom_right"] = False,
+        *,
+        precision: Precision | None = None,
     ) -> tuple[FloatArray, FloatArray | None]:
         """Attend from ``query`` to ``key``/``value``, as ``torch.nn.MultiheadAttention.forward``.
 
@@ -741,6 +780,9 @@ class MultiheadAttention:
             Apply the causal mask: True or ``"top_left"``: query ``i`` attends
             keys ``j <= i``; ``"bottom_right"``: keys ``j <= i + S - L``. Unlike
             torch, no ``attn_mask`` is needed; when one is given, it is used as given.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. This call's precision; None is the module's
+            (:attr:`precision`).
 
         Returns
         -------
@@ -778,10 +820,11 @@ class MultiheadAttention:
             if self.dtype.itemsize == 2:  # half precision: inputs rounded to it first
                 query = self._as_input(query, "query")
                 key, value = self._as_input(key, "key"), self._as_input(value, "value")
-        if type(need_weights) is bool and type(average_attn_weights) is bool and is_causal is False:
+        code = self._precision if precision is None else module_precision(self, precision)
+        if type(need_weights) is bool and type(average_attn_weights) is bool and is_causal is False and not code:
             options = _OPTIONS[self.batch_first][need_weights][average_attn_weights]
         else:
-            options = mha_options(is_causal, need_weights, average_attn_weights, self.batch_first, attn_mask)
+            options = mha_options(is_causal, need_weights, average_attn_weights, self.batch_first, attn_mask, code)
         if key_padding_mask is None and attn_mask is None:
             return _core.mha(weights, query, key, value, None, options)
         return _core.mha(weights, query, key, value, (attn_mask, key_padding_mask, None, None), options)
@@ -814,6 +857,10 @@ class MultiheadAttention:
             # Checked here, so that forward's test of them stays one lookup each.
             if name == "dropout":
                 value = _dropout_probability(value)
+            elif name == "precision":
+                code = module_precision(self, value)
+                object.__setattr__(self, "_precision", code)
+                value = PRECISION_NAMES[code]
             else:
                 value = as_bool_flag(value, "training")
         else:
@@ -826,8 +873,8 @@ class MultiheadAttention:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Pickles of versions without dropout and training: torch's defaults.
-        self.__dict__.update({"dropout": 0.0, "training": True, **state})
+        # Pickles of versions without dropout, training or precision: the defaults.
+        self.__dict__.update({"dropout": 0.0, "training": True, "precision": "float32", "_precision": 0, **state})
 
     __call__ = forward
 
@@ -860,7 +907,14 @@ class MultiheadAttention:
         """
         return KVCache(batch, self.num_heads, max_len, self.head_dim, self.dtype if dtype is None else dtype)
 
-    def step(self, query: npt.ArrayLike, cache: KVCache, lengths: npt.ArrayLike | None = None) -> FloatArray:
+    def step(
+        self,
+        query: npt.ArrayLike,
+        cache: KVCache,
+        lengths: npt.ArrayLike | None = None,
+        *,
+        precision: Precision | None = None,
+    ) -> FloatArray:
         """One decoding step of causal self-attention: project, append to ``cache``, attend.
 
         Appends the keys and values of the new tokens to ``cache`` and attends
@@ -884,6 +938,8 @@ class MultiheadAttention:
             Valid new tokens per sequence, each in ``[0, T]`` (valid tokens
             first); the others are not appended and their output rows equal
             ``out_proj_bias``. Default: all ``T``.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. This step's precision; None is the module's.
 
         Returns
         -------
@@ -915,9 +971,10 @@ class MultiheadAttention:
             )
         if self.dropout and self.training:
             raise NotImplementedError(_DROPOUT_MESSAGE.format(dropout=self.dropout))
+        code = self._precision if precision is None else module_precision(self, precision)
         if self.dtype.itemsize == 2:  # half precision: the new tokens rounded to it first
             query = self._as_input(query, "query")
-        return mha_step(self._weights(), query, cache, lengths, self.batch_first)
+        return mha_step(self._weights(), query, cache, lengths, self.batch_first, code)
 
     def __repr__(self) -> str:
         args = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}"]
@@ -934,4 +991,6 @@ class MultiheadAttention:
         if self.batch_first:
             args.append("batch_first=True")
         args.append(f"dtype={self.dtype.name}")
+        if self._precision:
+            args.append(f"precision={self.precision!r}")
         return f"{type(self).__name__}({', '.join(args)})"

@@ -25,6 +25,16 @@ The semantics are PyTorch's (``torch.nn.functional.scaled_dot_product_attention`
   are :func:`multi_head_attention_forward`, with its rules above), and :func:`layer_norm` is
   ``torch.nn.functional.layer_norm`` over the last dimension.
 * Dropout is not supported (this is an inference library).
+* ``precision="bfloat16"`` (every function but :func:`layer_norm`) rounds the operands of each
+  product to bfloat16, to nearest even, as the kernels do: the scaled queries and the keys of
+  the scores, the probabilities and the values, the inputs and weights of the projections and
+  of the feed-forward block. The products of the rounded operands are summed in float64, the
+  softmax is computed in float64, the probabilities are rounded before their product with the
+  values and that product is divided by the sum of the unrounded probabilities; biases, masks,
+  norms and activations are as without it. The kernels sum in float32, in their own order, and
+  their online softmax rounds each block's probabilities against the running maximum, so their
+  results differ from this reference by a small bound (docs/api.md, "Precision"), not bit for
+  bit; without it they agree to the contract's tolerances.
 
 Only NumPy is imported.
 """
@@ -36,10 +46,12 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from ._arrays import precision_code
+
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import ActivationFunction, FloatArray
+    from ._typing import ActivationFunction, FloatArray, Precision
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -59,9 +71,9 @@ __all__ = [
 def _compute_dtype(query):
     """The dtype every computation runs in: the query's (float32 or float64)."""
     dtype = np.asarray(query).dtype
-    if dtype == np.float64:
+    if dtype.type is np.float64:  # (either byte order)
         return np.dtype(np.float64)
-    if dtype == np.float32:
+    if dtype.type is np.float32:
         return np.dtype(np.float32)
     # Half-precision storage (float16, ml_dtypes' bfloat16) is computed in float32.
     if dtype == np.float16 or dtype.name == "bfloat16":
@@ -77,6 +89,32 @@ def _as_float(array, dtype, name):
     if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
         raise TypeError(f"{name} must be a floating point array, got dtype {array.dtype}")
     return array.astype(dtype, copy=False)
+
+
+def _round_bfloat16(x):
+    """``x`` rounded to the nearest bfloat16, ties to even, as a float32 array.
+
+    The rounding of the kernels' operands (AVX512_BF16's ``vcvtneps2bf16``), in integer
+    arithmetic on the float32 bits so that no bfloat16 type is needed: ``x`` is first a float32,
+    then the low 16 bits of its bits are rounded away. A float32 subnormal becomes a zero of its
+    sign and a NaN a quiet NaN of its sign; values beyond bfloat16's largest round to infinity.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        bits = np.array(x, dtype=np.float32, copy=True).view(np.uint32)
+    exponent = bits & np.uint32(0x7F800000)
+    nan = (exponent == np.uint32(0x7F800000)) & ((bits & np.uint32(0x007FFFFF)) != 0)
+    # Round to nearest even: add 0x7FFF, plus 1 where the lowest kept bit is odd, then truncate.
+    # (The carry of a finite value's mantissa moves into its exponent, up to infinity.)
+    with np.errstate(over="ignore"):
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    rounded = np.where(nan, (bits | np.uint32(0x00400000)) & np.uint32(0xFFFF0000), rounded)
+    rounded = np.where(exponent == 0, bits & np.uint32(0x80000000), rounded)
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def _bfloat16_operand(x):
+    """An operand of a product with precision "bfloat16": rounded, as float64 (exact)."""
+    return _round_bfloat16(x).astype(np.float64)
 
 
 def _mask_to_bias(mask, name, dtype, true_means_masked):
@@ -149,23 +187,28 @@ def _causal_bias(tgt_len, src_len, dtype, bottom_right=False, window=None, causa
 # ---------------------------------------------------------------------------------------------
 
 
-def _attention(q, k, v, bias, scale, softcap=None, stages=None):
+def _attention(q, k, v, bias, scale, softcap=None, stages=None, bfloat16=False):
     """softmax(scale * q @ k^T + bias) @ v, with attnx's rules for masked keys.
 
     q ``(..., L, E)``, k ``(..., S, E)``, v ``(..., S, Ev)``, bias broadcastable to
     ``(..., L, S)`` or None. A key is masked for a query row where its bias is -inf. With
     ``softcap``, the scores become ``softcap * tanh(scores / softcap)`` before the bias.
     Returns ``(output (..., L, Ev), weights (..., L, S))``; a dict ``stages`` receives the
-    scores at each stage ("qk", "softcapped", "masked", "softmax").
+    scores at each stage ("qk", "softcapped", "masked", "softmax"). With ``bfloat16`` (float32
+    q, k, v), the products' operands are rounded to bfloat16 and the rest is float64: the
+    results are float64 (see the module's notes).
     """
     # NaN/Inf in the inputs are meant to propagate; numpy's warnings about them are noise.
     with np.errstate(invalid="ignore", over="ignore"):
-        return _attention_core(q, k, v, bias, scale, softcap, {} if stages is None else stages)
+        return _attention_core(q, k, v, bias, scale, softcap, {} if stages is None else stages, bfloat16)
 
 
-def _attention_core(q, k, v, bias, scale, softcap, stages):
+def _attention_core(q, k, v, bias, scale, softcap, stages, bfloat16):
     # Scaling q first (rather than the scores) is what torch does and keeps E = 0 finite.
-    scores = np.matmul(q * q.dtype.type(scale), np.swapaxes(k, -1, -2))
+    q = q * q.dtype.type(scale)
+    if bfloat16:
+        q, k, v = _bfloat16_operand(q), _bfloat16_operand(k), _bfloat16_operand(v)
+    scores = np.matmul(q, np.swapaxes(k, -1, -2))
     stages["qk"] = scores
     if softcap is not None:
         scores = softcap * np.tanh(scores / softcap)
@@ -185,18 +228,23 @@ def _attention_core(q, k, v, bias, scale, softcap, stages):
     row_max = np.max(logits, axis=-1, keepdims=True, initial=-np.inf)
     row_max = np.where(any_allowed, row_max, 0.0)
     exps = np.where(allowed, np.exp(logits - row_max), 0.0)
-    denom = exps.sum(axis=-1, keepdims=True)
-    weights = exps / np.where(any_allowed, denom, 1.0)
+    denom = np.where(any_allowed, exps.sum(axis=-1, keepdims=True), 1.0)
+    weights = exps / denom
     weights = weights.astype(scores.dtype, copy=False)
     stages["softmax"] = weights
 
+    # With bfloat16 products, the unnormalized probabilities are rounded and their product
+    # with the values is divided by the sum of the unrounded ones.
+    factors, divisor = (_bfloat16_operand(exps), denom) if bfloat16 else (weights, None)
     if np.isfinite(v).all():
-        output = np.matmul(weights, v)
+        output = np.matmul(factors, v)
     else:
         # 0 * inf = NaN: a plain matmul would let NaN/Inf of a masked key's value into rows
         # that ignore that key. Sum only the terms of allowed keys (memory L*S*Ev, rare path).
-        terms = weights[..., :, :, None] * v[..., None, :, :]
+        terms = factors[..., :, :, None] * v[..., None, :, :]
         output = np.where(allowed[..., None], terms, 0.0).sum(axis=-2).astype(weights.dtype)
+    if divisor is not None:
+        output = output / divisor
     return output, weights
 
 
@@ -218,6 +266,7 @@ def scaled_dot_product_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     return_scores: Literal["qk", "softcapped", "masked", "softmax"] | None = None,
+    precision: Precision | None = None,
 ) -> Any:
     """Reference scaled dot-product attention, as torch's ``scaled_dot_product_attention``.
 
@@ -251,6 +300,9 @@ def scaled_dot_product_attention(
     return_scores : {"qk", "softcapped", "masked", "softmax"}, optional, keyword-only
         Also return the ``(..., Hq, L, S)`` scores at that stage: ``scale * q @ k^T``, after
         the soft cap, the softmax's input (closed keys -inf) or the probabilities.
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        ``"bfloat16"``: the operands of every product rounded to bfloat16 (see the module's
+        notes); float32 (or half-precision) inputs only.
 
     Returns
     -------
@@ -294,6 +346,7 @@ def scaled_dot_product_attention(
     True
     """
     dtype = _compute_dtype(query)
+    bfloat16 = precision_code(precision, dtype) == 1
     q = _as_float(query, dtype, "query")
     k = _as_float(key, dtype, "key")
     v = _as_float(value, dtype, "value")
@@ -362,7 +415,8 @@ def scaled_dot_product_attention(
             raise ValueError(f"scale must be finite, got {scale}")
 
     stages = {}
-    output, _ = _attention(q, k, v, bias, scale, softcap, stages)
+    output, _ = _attention(q, k, v, bias, scale, softcap, stages, bfloat16)
+    output = output.astype(dtype, copy=False)
     if return_scores is None:
         return output
     scores = np.broadcast_to(stages[return_scores], scores_shape)
@@ -374,8 +428,12 @@ def scaled_dot_product_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-def _linear(x, weight, bias):
-    """x @ weight^T + bias, as torch.nn.functional.linear."""
+def _linear(x, weight, bias, bfloat16=False):
+    """x @ weight^T + bias, as torch.nn.functional.linear; with ``bfloat16``, of x and weight
+    rounded to bfloat16, summed in float64 and returned in x's dtype."""
+    if bfloat16:
+        y = np.matmul(_bfloat16_operand(x), _bfloat16_operand(weight).T)
+        return (y if bias is None else y + bias).astype(x.dtype)
     y = np.matmul(x, weight.T)
     return y if bias is None else y + bias
 
@@ -408,6 +466,7 @@ def multi_head_attention_forward(
     is_causal: bool | Literal["top_left", "bottom_right"] = False,
     *,
     batch_first: bool = False,
+    precision: Precision | None = None,
 ) -> tuple[FloatArray, FloatArray | None]:
     """Reference multi-head attention, as torch's ``multi_head_attention_forward``.
 
@@ -461,6 +520,9 @@ def multi_head_attention_forward(
         ignored, the mask is used as given.
     batch_first : bool, keyword-only, default False
         Batched inputs and output are ``(N, L, E)`` instead of ``(L, N, E)``.
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        ``"bfloat16"``: the operands of every product rounded to bfloat16 (see the module's
+        notes); float32 (or half-precision) inputs only.
 
     Returns
     -------
@@ -509,6 +571,7 @@ def multi_head_attention_forward(
         raise NotImplementedError("dropout is not supported: use dropout_p=0.0 or training=False")
 
     dtype = _compute_dtype(query)
+    bfloat16 = precision_code(precision, dtype) == 1
     query = _as_float(query, dtype, "query")
     key = _as_float(key, dtype, "key")
     value = _as_float(value, dtype, "value")
@@ -577,9 +640,9 @@ def multi_head_attention_forward(
             raise ValueError(f"in_proj_bias has shape {b_in.shape}, expected {(3 * embed_dim,)}")
         b_q, b_k, b_v = np.split(b_in, 3)
 
-    q = _linear(query, w_q, b_q)  # (L, N, E)
-    k = _linear(key, w_k, b_k)  # (S, N, E)
-    v = _linear(value, w_v, b_v)  # (S, N, E)
+    q = _linear(query, w_q, b_q, bfloat16)  # (L, N, E)
+    k = _linear(key, w_k, b_k, bfloat16)  # (S, N, E)
+    v = _linear(value, w_v, b_v, bfloat16)  # (S, N, E)
 
     # --- Extra key positions from bias_k/bias_v -----------------------------------------
     num_appended = 0  # key positions added after the real keys; masks never mask them
@@ -655,7 +718,8 @@ def multi_head_attention_forward(
 
     # --- Attention and out-projection ---------------------------------------------------
     scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    heads_out, weights = _attention(q, k, v, bias, scale)  # (N*H, L, hd), (N*H, L, S')
+    heads_out, weights = _attention(q, k, v, bias, scale, bfloat16=bfloat16)  # (N*H, L, hd), (N*H, L, S')
+    heads_out = heads_out.astype(dtype, copy=False)
 
     # Merge heads back: (N * H, L, hd) -> (L, N, H * hd).
     merged = heads_out.reshape(batch, num_heads, tgt_len, head_dim).transpose(2, 0, 1, 3)
@@ -664,7 +728,7 @@ def multi_head_attention_forward(
     if w_out.ndim != 2 or w_out.shape[1] != embed_dim:
         raise ValueError(f"out_proj_weight has shape {w_out.shape}, expected (E_out, {embed_dim})")
     b_out = None if out_proj_bias is None else _as_float(out_proj_bias, dtype, "out_proj_bias")
-    attn_output = _linear(merged, w_out, b_out)  # (L, N, E_out)
+    attn_output = _linear(merged, w_out, b_out, bfloat16)  # (L, N, E_out)
 
     weights = weights.reshape(batch, num_heads, tgt_len, total_src_len)
     if average_attn_weights:
@@ -695,6 +759,8 @@ def cached_attention(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    *,
+    precision: Precision | None = None,
 ) -> FloatArray:
     """Reference attention of each sequence's newest tokens over its cached keys.
 
@@ -723,6 +789,9 @@ def cached_attention(
         As in :func:`scaled_dot_product_attention` (bottom-right aligned).
     softcap : float, optional
         As in :func:`scaled_dot_product_attention`.
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        ``"bfloat16"``: the operands of every product rounded to bfloat16 (see the module's
+        notes); float32 (or half-precision) inputs only.
 
     Returns
     -------
@@ -752,6 +821,7 @@ def cached_attention(
     True
     """
     dtype = _compute_dtype(query)
+    precision_code(precision, dtype)
     q = _as_float(query, dtype, "query")
     k = _as_float(key, dtype, "key")
     v = _as_float(value, dtype, "value")
@@ -775,7 +845,7 @@ def cached_attention(
         n, m = int(query_lengths[b]), int(key_lengths[b])
         output[b, :, :n] = scaled_dot_product_attention(
             q[b, :, :n], k[b, :, :m], v[b, :, :m], is_causal="bottom_right", scale=scale,
-            enable_gqa=True, window=window, softcap=softcap,
+            enable_gqa=True, window=window, softcap=softcap, precision=precision,
         )
     return output
 
@@ -886,7 +956,8 @@ def _norm(x, params, name, eps):
     return layer_norm(x, _get(params, f"{name}.weight", dtype, False), _get(params, f"{name}.bias", dtype, False), eps)
 
 
-def _attention_block(query, memory, params, prefix, nhead, attn_mask, key_padding_mask, is_causal, batch_first):
+def _attention_block(query, memory, params, prefix, nhead, attn_mask, key_padding_mask, is_causal, batch_first,
+                     precision):
     """``params``' multi-head attention ``prefix`` from ``query`` to ``memory``: its output only."""
     dtype = query.dtype
     out, _ = multi_head_attention_forward(
@@ -895,17 +966,17 @@ def _attention_block(query, memory, params, prefix, nhead, attn_mask, key_paddin
         None, None, False, 0.0,
         _get(params, prefix + "out_proj.weight", dtype), _get(params, prefix + "out_proj.bias", dtype, False),
         training=False, key_padding_mask=key_padding_mask, need_weights=False, attn_mask=attn_mask,
-        is_causal=bool(is_causal), batch_first=batch_first,
+        is_causal=bool(is_causal), batch_first=batch_first, precision=precision,
     )
     return out
 
 
-def _feed_forward(x, params, activation):
+def _feed_forward(x, params, activation, bfloat16):
     """linear2(activation(linear1(x)))."""
     dtype = x.dtype
-    hidden = _linear(x, _get(params, "linear1.weight", dtype), _get(params, "linear1.bias", dtype, False))
+    hidden = _linear(x, _get(params, "linear1.weight", dtype), _get(params, "linear1.bias", dtype, False), bfloat16)
     return _linear(_activate(hidden, activation), _get(params, "linear2.weight", dtype),
-                   _get(params, "linear2.bias", dtype, False))
+                   _get(params, "linear2.bias", dtype, False), bfloat16)
 
 
 def transformer_encoder_layer(
@@ -920,6 +991,7 @@ def transformer_encoder_layer(
     layer_norm_eps: float | Sequence[float] = 1e-5,
     norm_first: bool = False,
     batch_first: bool = False,
+    precision: Precision | None = None,
 ) -> FloatArray:
     """Reference ``torch.nn.TransformerEncoderLayer`` forward pass (inference: no dropout).
 
@@ -963,6 +1035,9 @@ def transformer_encoder_layer(
         Pre-norm instead of post-norm.
     batch_first : bool, default False, keyword-only
         Batched input and output are ``(N, L, E)`` instead of ``(L, N, E)``.
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        ``"bfloat16"``: the operands of every product rounded to bfloat16 (see the module's
+        notes); float32 (or half-precision) inputs only.
 
     Returns
     -------
@@ -981,19 +1056,20 @@ def transformer_encoder_layer(
     True
     """
     dtype = _compute_dtype(src)
+    bfloat16 = precision_code(precision, dtype) == 1
     x = _as_float(src, dtype, "src")
     eps1, eps2 = _norm_eps(layer_norm_eps, 2)
 
     def self_attention(y):
         return _attention_block(y, y, params, "self_attn.", nhead, src_mask, src_key_padding_mask, is_causal,
-                                batch_first)
+                                batch_first, precision)
 
     if norm_first:
         x = x + self_attention(_norm(x, params, "norm1", eps1))
-        x = x + _feed_forward(_norm(x, params, "norm2", eps2), params, activation)
+        x = x + _feed_forward(_norm(x, params, "norm2", eps2), params, activation, bfloat16)
     else:
         x = _norm(x + self_attention(x), params, "norm1", eps1)
-        x = _norm(x + _feed_forward(x, params, activation), params, "norm2", eps2)
+        x = _norm(x + _feed_forward(x, params, activation, bfloat16), params, "norm2", eps2)
     return x
 
 
@@ -1013,6 +1089,7 @@ def transformer_decoder_layer(
     layer_norm_eps: float | Sequence[float] = 1e-5,
     norm_first: bool = False,
     batch_first: bool = False,
+    precision: Precision | None = None,
 ) -> FloatArray:
     """Reference ``torch.nn.TransformerDecoderLayer`` forward pass (inference: no dropout).
 
@@ -1062,6 +1139,9 @@ def transformer_decoder_layer(
         Pre-norm instead of post-norm.
     batch_first : bool, default False, keyword-only
         Batched inputs and output are ``(N, T, E)`` instead of ``(T, N, E)``.
+    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+        ``"bfloat16"``: the operands of every product rounded to bfloat16 (see the module's
+        notes); float32 (or half-precision) inputs only.
 
     Returns
     -------
@@ -1082,24 +1162,25 @@ def transformer_decoder_layer(
     True
     """
     dtype = _compute_dtype(tgt)
+    bfloat16 = precision_code(precision, dtype) == 1
     x = _as_float(tgt, dtype, "tgt")
     mem = _as_float(memory, dtype, "memory")
     eps1, eps2, eps3 = _norm_eps(layer_norm_eps, 3)
 
     def self_attention(y):
         return _attention_block(y, y, params, "self_attn.", nhead, tgt_mask, tgt_key_padding_mask, tgt_is_causal,
-                                batch_first)
+                                batch_first, precision)
 
     def cross_attention(y):
         return _attention_block(y, mem, params, "multihead_attn.", nhead, memory_mask, memory_key_padding_mask,
-                                memory_is_causal, batch_first)
+                                memory_is_causal, batch_first, precision)
 
     if norm_first:
         x = x + self_attention(_norm(x, params, "norm1", eps1))
         x = x + cross_attention(_norm(x, params, "norm2", eps2))
-        x = x + _feed_forward(_norm(x, params, "norm3", eps3), params, activation)
+        x = x + _feed_forward(_norm(x, params, "norm3", eps3), params, activation, bfloat16)
     else:
         x = _norm(x + self_attention(x), params, "norm1", eps1)
         x = _norm(x + cross_attention(x), params, "norm2", eps2)
-        x = _norm(x + _feed_forward(x, params, activation), params, "norm3", eps3)
+        x = _norm(x + _feed_forward(x, params, activation, bfloat16), params, "norm3", eps3)
     return x

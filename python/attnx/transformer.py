@@ -58,7 +58,7 @@ from .modules import _check_device, _module_dtype
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import ActivationFunction, FloatArray, TorchDevice, TorchDType
+    from ._typing import ActivationFunction, FloatArray, Precision, TorchDevice, TorchDType
 
 __all__ = [
     "LayerNorm",
@@ -71,6 +71,20 @@ __all__ = [
 ]
 
 
+def _precisions(layers: list[Any], precision: Any) -> list[int]:
+    """The core's code of the precision of each layer's call: the call's ``precision`` for
+    every layer, or each layer's own for None."""
+    if precision is None:
+        return [layer._precision for layer in layers]
+    return [layer._call_precision(precision) for layer in layers]
+
+
+def _common_precision(layers: list[Any]) -> Precision | None:
+    """The layers' precision where they share one, else None."""
+    names = {layer.precision for layer in layers}
+    return names.pop() if len(names) == 1 else None
+
+
 class _Stack(_Module):
     """What the encoder and decoder stacks share: their layers, final norm and torch's copies."""
 
@@ -78,7 +92,22 @@ class _Stack(_Module):
     num_layers: int
     norm: LayerNorm | None
 
-    def _stack(self, layer: Any, kind: type, num_layers: Any, norm: Any) -> None:
+    @property
+    def precision(self) -> Precision | None:
+        """The layers' precision, None where they differ; setting it sets every layer's.
+
+        A call with ``precision=None`` computes each layer with its own.
+        """
+        return _common_precision(self.layers)
+
+    @precision.setter
+    def precision(self, value: Precision) -> None:
+        for layer in self.layers:
+            layer._call_precision(value)  # every layer checked before any is changed
+        for layer in self.layers:
+            layer.precision = value
+
+    def _stack(self, layer: Any, kind: type, num_layers: Any, norm: Any, precision: Any = None) -> None:
         if not isinstance(layer, kind):
             raise TypeError(f"{type(self).__name__} needs an attnx.{kind.__name__}, got {type(layer).__name__}")
         if norm is not None and not isinstance(norm, LayerNorm):
@@ -88,6 +117,8 @@ class _Stack(_Module):
         # torch's _get_clones: deep copies, so that every layer starts with the same parameters.
         self.layers = [copy.deepcopy(layer) for _ in range(self.num_layers)]
         self.norm = norm
+        if precision is not None:
+            self.precision = precision
 
     def _children(self) -> list[tuple[str, Any]]:
         children: list[tuple[str, Any]] = [(f"layers.{i}", layer) for i, layer in enumerate(self.layers)]
@@ -96,11 +127,11 @@ class _Stack(_Module):
         return children
 
     @classmethod
-    def _copy_of_torch(cls, module: Any, kind: Any, activation: Any) -> Any:
+    def _copy_of_torch(cls, module: Any, kind: Any, activation: Any, precision: Any) -> Any:
         layers = getattr(module, "layers", None)
         if layers is None or not callable(getattr(module, "state_dict", None)) or not hasattr(module, "norm"):
             raise TypeError(f"from_torch expects a torch.nn.{cls.__name__}, got {type(module).__name__}")
-        copies = [kind.from_torch(layer, activation=activation) for layer in layers]
+        copies = [kind.from_torch(layer, activation=activation, precision=precision) for layer in layers]
         if not copies:
             raise ValueError(f"from_torch: the torch {type(module).__name__} has no layers")
         norm = None if module.norm is None else LayerNorm.from_torch(module.norm)
@@ -130,6 +161,8 @@ class TransformerEncoder(_Stack):
         torch's argument, kept as an attribute; it changes nothing (attnx has no nested tensors).
     mask_check : bool, default True
         torch's argument, kept as an attribute; it changes nothing.
+    precision : {None, "float32", "bfloat16"}, default None
+        Keyword-only. Sets every layer's precision; None keeps ``encoder_layer``'s.
 
     Attributes
     ----------
@@ -137,6 +170,8 @@ class TransformerEncoder(_Stack):
     num_layers : int
     norm : LayerNorm or None
     training : bool
+    precision : {"float32", "bfloat16"} or None
+        The layers' precision (None where they differ); setting it sets every layer's.
 
     Examples
     --------
@@ -162,8 +197,10 @@ class TransformerEncoder(_Stack):
         norm: LayerNorm | None = None,
         enable_nested_tensor: bool = True,
         mask_check: bool = True,
+        *,
+        precision: Precision | None = None,
     ) -> None:
-        self._stack(encoder_layer, TransformerEncoderLayer, num_layers, norm)
+        self._stack(encoder_layer, TransformerEncoderLayer, num_layers, norm, precision)
         self.enable_nested_tensor = as_bool_flag(enable_nested_tensor, "enable_nested_tensor")
         self.mask_check = as_bool_flag(mask_check, "mask_check")
 
@@ -173,6 +210,8 @@ class TransformerEncoder(_Stack):
         mask: npt.ArrayLike | None = None,
         src_key_padding_mask: npt.ArrayLike | None = None,
         is_causal: bool | None = None,
+        *,
+        precision: Precision | None = None,
     ) -> FloatArray:
         """Each layer in turn, then the norm, as ``torch.nn.TransformerEncoder.forward`` in ``eval()`` mode.
 
@@ -187,6 +226,8 @@ class TransformerEncoder(_Stack):
         is_causal : bool, optional
             Every layer's ``is_causal``. None (the default) is True exactly when ``mask`` is
             the ``(L, L)`` causal mask (as torch detects it); the mask is used either way.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. Every layer's precision in this call; None is each layer's own.
 
         Returns
         -------
@@ -203,13 +244,13 @@ class TransformerEncoder(_Stack):
         """
         first = self.layers[0]
         x, batched = _sequence(src, "src", first.dtype, first.d_model, first.batch_first)
-        return _result(self._encode(x, batched, mask, src_key_padding_mask, is_causal), batched, first.batch_first,
-                       first.dtype)
+        return _result(self._encode(x, batched, mask, src_key_padding_mask, is_causal, precision), batched,
+                       first.batch_first, first.dtype)
 
     __call__ = forward
 
     def _encode(self, x: np.ndarray[Any, Any], batched: bool, mask: Any, src_key_padding_mask: Any,
-                is_causal: Any) -> np.ndarray[Any, Any]:
+                is_causal: Any, precision: Any = None) -> np.ndarray[Any, Any]:
         """The stack on a checked, batched ``src`` in the compute dtype; the result likewise."""
         first = self.layers[0]
         N, L = _lengths(x, first.batch_first)
@@ -218,14 +259,17 @@ class TransformerEncoder(_Stack):
         causal = _detect_is_causal(attn_mask, is_causal, L, "is_causal")
         for layer in self.layers:
             layer._check_inference()
+        codes = _precisions(self.layers, precision)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             # The final norm goes into the last layer's call (one pass over its rows).
-            x = _layers.encoder_layer(layer, x, attn_mask, padding, causal, self.norm if i == last else None)
+            x = _layers.encoder_layer(layer, x, attn_mask, padding, causal, self.norm if i == last else None,
+                                      precision=codes[i])
         return x
 
     @classmethod
-    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None) -> TransformerEncoder:
+    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None,
+                   precision: Precision | None = None) -> TransformerEncoder:
         """An attnx encoder with the layers, norm and parameters of a ``torch.nn.TransformerEncoder``.
 
         Parameters
@@ -236,6 +280,8 @@ class TransformerEncoder(_Stack):
         activation : {"relu", "gelu"} or callable, optional
             Keyword-only. Every layer's activation, as in
             :meth:`TransformerEncoderLayer.from_torch`.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. Every layer's ``precision``.
 
         Returns
         -------
@@ -250,7 +296,7 @@ class TransformerEncoder(_Stack):
         >>> attnx.TransformerEncoder.from_torch(module.eval())
         TransformerEncoder(num_layers=2, layer=TransformerEncoderLayer(d_model=16, nhead=4, dim_feedforward=32, dropout=0.1, dtype=float32), norm=LayerNorm((16,), eps=1e-05, elementwise_affine=True, bias=True))
         """
-        new = cls._copy_of_torch(module, TransformerEncoderLayer, activation)
+        new = cls._copy_of_torch(module, TransformerEncoderLayer, activation, precision)
         new.enable_nested_tensor = bool(getattr(module, "enable_nested_tensor", True))
         new.mask_check = bool(getattr(module, "mask_check", True))
         return new  # type: ignore[no-any-return]
@@ -267,6 +313,8 @@ class TransformerDecoder(_Stack):
         Number of layers, at least 1.
     norm : LayerNorm, optional
         Applied to the last layer's output (an ``attnx.transformer.LayerNorm``).
+    precision : {None, "float32", "bfloat16"}, default None
+        Keyword-only. Sets every layer's precision; None keeps ``decoder_layer``'s.
 
     Attributes
     ----------
@@ -274,6 +322,8 @@ class TransformerDecoder(_Stack):
     num_layers : int
     norm : LayerNorm or None
     training : bool
+    precision : {"float32", "bfloat16"} or None
+        The layers' precision (None where they differ); setting it sets every layer's.
 
     Examples
     --------
@@ -293,8 +343,10 @@ class TransformerDecoder(_Stack):
         decoder_layer: TransformerDecoderLayer,
         num_layers: int,
         norm: LayerNorm | None = None,
+        *,
+        precision: Precision | None = None,
     ) -> None:
-        self._stack(decoder_layer, TransformerDecoderLayer, num_layers, norm)
+        self._stack(decoder_layer, TransformerDecoderLayer, num_layers, norm, precision)
 
     def forward(
         self,
@@ -306,6 +358,8 @@ class TransformerDecoder(_Stack):
         memory_key_padding_mask: npt.ArrayLike | None = None,
         tgt_is_causal: bool | None = None,
         memory_is_causal: bool = False,
+        *,
+        precision: Precision | None = None,
     ) -> FloatArray:
         """Each layer in turn, then the norm, as ``torch.nn.TransformerDecoder.forward`` in ``eval()`` mode.
 
@@ -325,6 +379,8 @@ class TransformerDecoder(_Stack):
             ``tgt_mask`` is the ``(T, T)`` causal mask (as torch detects it).
         memory_is_causal : bool, default False
             Every layer's ``memory_is_causal``.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. Every layer's precision in this call; None is each layer's own.
 
         Returns
         -------
@@ -342,14 +398,14 @@ class TransformerDecoder(_Stack):
         x, batched = _sequence(tgt, "tgt", first.dtype, first.d_model, first.batch_first)
         mem = _memory(memory, x, batched, np.shape(tgt), first)
         out = self._decode(x, mem, batched, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
-                           tgt_is_causal, memory_is_causal)
+                           tgt_is_causal, memory_is_causal, precision)
         return _result(out, batched, first.batch_first, first.dtype)
 
     __call__ = forward
 
     def _decode(self, x: np.ndarray[Any, Any], mem: np.ndarray[Any, Any], batched: bool, tgt_mask: Any,
                 memory_mask: Any, tgt_key_padding_mask: Any, memory_key_padding_mask: Any, tgt_is_causal: Any,
-                memory_is_causal: Any) -> np.ndarray[Any, Any]:
+                memory_is_causal: Any, precision: Any = None) -> np.ndarray[Any, Any]:
         """The stack on checked, batched ``tgt`` and ``memory`` in the compute dtype."""
         first = self.layers[0]
         masks = _decoder_masks(first, x, mem, batched, tgt_mask, memory_mask, tgt_key_padding_mask,
@@ -358,9 +414,11 @@ class TransformerDecoder(_Stack):
         memory_causal = as_bool_flag(memory_is_causal, "memory_is_causal")
         for layer in self.layers:
             layer._check_inference()
+        codes = _precisions(self.layers, precision)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = _layers.decoder_layer(layer, x, mem, *masks, causal, memory_causal, self.norm if i == last else None)
+            x = _layers.decoder_layer(layer, x, mem, *masks, causal, memory_causal, self.norm if i == last else None,
+                                      precision=codes[i])
         return x
 
     def new_cache(self, batch: int, max_len: int, dtype: npt.DTypeLike = np.float32) -> TransformerDecoderCache:
@@ -391,6 +449,8 @@ class TransformerDecoder(_Stack):
         cache: TransformerDecoderCache,
         memory_key_padding_mask: npt.ArrayLike | None = None,
         memory_mask: npt.ArrayLike | None = None,
+        *,
+        precision: Precision | None = None,
     ) -> FloatArray:
         """Decode the new positions ``tgt`` over the positions ``cache`` holds.
 
@@ -411,6 +471,9 @@ class TransformerDecoder(_Stack):
             True (or -inf) for the memory's padding, as in :meth:`forward`.
         memory_mask : array_like, shape (T, S) or (N * nhead, T, S), optional
             The new positions' rows of :meth:`forward`'s ``memory_mask``.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. Every layer's precision in this step; None is each layer's own.
+            The memory's keys and values are projected again when it changes.
 
         Returns
         -------
@@ -450,6 +513,7 @@ class TransformerDecoder(_Stack):
             )
         for layer in self.layers:
             layer._check_inference()
+        codes = _precisions(self.layers, precision)
         x, batched = _sequence(tgt, "tgt", first.dtype, first.d_model, first.batch_first)
         mem = _memory(memory, x, batched, np.shape(tgt), first)
         (N, T), S = _lengths(x, first.batch_first), _lengths(mem, first.batch_first)[1]
@@ -460,11 +524,12 @@ class TransformerDecoder(_Stack):
         cache.layers[0].check_room(np.full(N, T, np.int64))
         if T == 0:  # no positions: nothing to compute or append
             return _result(x, batched, first.batch_first, first.dtype)
-        out = _layers.decoder_step(self, x, mem, cache, padding, memory_mask)
+        out = _layers.decoder_step(self, x, mem, cache, padding, memory_mask, codes)
         return _result(out, batched, first.batch_first, first.dtype)
 
     @classmethod
-    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None) -> TransformerDecoder:
+    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None,
+                   precision: Precision | None = None) -> TransformerDecoder:
         """An attnx decoder with the layers, norm and parameters of a ``torch.nn.TransformerDecoder``.
 
         Parameters
@@ -475,6 +540,8 @@ class TransformerDecoder(_Stack):
         activation : {"relu", "gelu"} or callable, optional
             Keyword-only. Every layer's activation, as in
             :meth:`TransformerEncoderLayer.from_torch`.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. Every layer's ``precision``.
 
         Returns
         -------
@@ -487,7 +554,7 @@ class TransformerDecoder(_Stack):
         >>> len(attnx.TransformerDecoder.from_torch(module).layers)
         3
         """
-        return cls._copy_of_torch(module, TransformerDecoderLayer, activation)  # type: ignore[no-any-return]
+        return cls._copy_of_torch(module, TransformerDecoderLayer, activation, precision)  # type: ignore[no-any-return]
 
 
 class Transformer(_Module):
@@ -523,6 +590,10 @@ class Transformer(_Module):
         As :class:`TransformerEncoderLayer`'s.
     seed : int, numpy.random.Generator or None, default None
         Keyword-only. Seed of ``np.random.default_rng`` for the initial parameters.
+    precision : {None, "float32", "bfloat16"}, default None
+        Keyword-only. Every layer's precision (None: ``"float32"`` for the layers built
+        here, the custom encoder's and decoder's own for those), as
+        :class:`TransformerEncoderLayer`'s.
 
     Attributes
     ----------
@@ -531,6 +602,8 @@ class Transformer(_Module):
     d_model, nhead : int
     batch_first : bool
     training : bool
+    precision : {"float32", "bfloat16"} or None
+        The layers' precision (None where they differ); setting it sets every layer's.
 
     Notes
     -----
@@ -578,6 +651,7 @@ class Transformer(_Module):
         dtype: npt.DTypeLike | TorchDType | None = None,
         *,
         seed: int | np.random.Generator | None = None,
+        precision: Precision | None = None,
     ) -> None:
         _check_device(device)
         self.training = True
@@ -585,7 +659,7 @@ class Transformer(_Module):
         layer_args = (d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first,
                       bias, device, dtype)
         if custom_encoder is None:
-            encoder_layer = TransformerEncoderLayer(*layer_args, seed=rng)
+            encoder_layer = TransformerEncoderLayer(*layer_args, seed=rng, precision=precision)
             norm = LayerNorm(d_model, layer_norm_eps, bias=bias, dtype=encoder_layer.dtype)
             self.encoder = TransformerEncoder(encoder_layer, num_encoder_layers, norm)
         elif isinstance(custom_encoder, TransformerEncoder):
@@ -593,13 +667,15 @@ class Transformer(_Module):
         else:
             raise TypeError(f"custom_encoder must be an attnx.TransformerEncoder, got {type(custom_encoder).__name__}")
         if custom_decoder is None:
-            decoder_layer = TransformerDecoderLayer(*layer_args, seed=rng)
+            decoder_layer = TransformerDecoderLayer(*layer_args, seed=rng, precision=precision)
             norm = LayerNorm(d_model, layer_norm_eps, bias=bias, dtype=decoder_layer.dtype)
             self.decoder = TransformerDecoder(decoder_layer, num_decoder_layers, norm)
         elif isinstance(custom_decoder, TransformerDecoder):
             self.decoder = custom_decoder
         else:
             raise TypeError(f"custom_decoder must be an attnx.TransformerDecoder, got {type(custom_decoder).__name__}")
+        if precision is not None:
+            self.precision = precision  # the custom encoder's and decoder's layers too
         self._reset_parameters(rng)
         self.d_model = as_positive_int(d_model, "d_model")
         self.nhead = as_positive_int(nhead, "nhead")
@@ -614,6 +690,21 @@ class Transformer(_Module):
     def _children(self) -> list[tuple[str, Any]]:
         return [("encoder", self.encoder), ("decoder", self.decoder)]
 
+    @property
+    def precision(self) -> Precision | None:
+        """The layers' precision, None where they differ; setting it sets every layer's.
+
+        A call with ``precision=None`` computes each layer with its own.
+        """
+        return _common_precision(self.encoder.layers + self.decoder.layers)
+
+    @precision.setter
+    def precision(self, value: Precision) -> None:
+        for layer in self.encoder.layers + self.decoder.layers:
+            layer._call_precision(value)  # every layer checked before any is changed
+        self.encoder.precision = value
+        self.decoder.precision = value
+
     def forward(
         self,
         src: npt.ArrayLike,
@@ -627,6 +718,8 @@ class Transformer(_Module):
         src_is_causal: bool | None = None,
         tgt_is_causal: bool | None = None,
         memory_is_causal: bool = False,
+        *,
+        precision: Precision | None = None,
     ) -> FloatArray:
         """``decoder(tgt, encoder(src))``, as ``torch.nn.Transformer.forward`` in ``eval()`` mode.
 
@@ -652,6 +745,8 @@ class Transformer(_Module):
             The decoder's ``tgt_is_causal`` (None: detected from ``tgt_mask``).
         memory_is_causal : bool, default False
             The decoder's ``memory_is_causal``.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. Every layer's precision in this call; None is each layer's own.
 
         Returns
         -------
@@ -675,11 +770,11 @@ class Transformer(_Module):
                 f"tgt {shape_str(np.shape(tgt))}"
             )
         _check_batches(("src", np.shape(src), x), ("tgt", np.shape(tgt), y), self.batch_first)
-        memory = self.encoder._encode(x, batched, src_mask, src_key_padding_mask, src_is_causal)
+        memory = self.encoder._encode(x, batched, src_mask, src_key_padding_mask, src_is_causal, precision)
         _check_batches(("tgt", np.shape(tgt), y), ("memory", memory.shape, memory), decoder_first.batch_first)
         memory = memory.astype(y.dtype, copy=False)
         out = self.decoder._decode(y, memory, batched, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                   memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+                                   memory_key_padding_mask, tgt_is_causal, memory_is_causal, precision)
         return _result(out, batched, decoder_first.batch_first, decoder_first.dtype)
 
     __call__ = forward
@@ -719,7 +814,8 @@ class Transformer(_Module):
         return np.where(above, -np.inf, 0.0).astype(_module_dtype(dtype))
 
     @classmethod
-    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None) -> Transformer:
+    def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None,
+                   precision: Precision | None = None) -> Transformer:
         """An attnx model with the encoder, decoder and parameters of a ``torch.nn.Transformer``.
 
         Parameters
@@ -729,6 +825,8 @@ class Transformer(_Module):
         activation : {"relu", "gelu"} or callable, optional
             Keyword-only. Every layer's activation, as in
             :meth:`TransformerEncoderLayer.from_torch`.
+        precision : {None, "float32", "bfloat16"}, optional
+            Keyword-only. Every layer's ``precision``.
 
         Returns
         -------
@@ -756,8 +854,8 @@ class Transformer(_Module):
             raise TypeError(f"from_torch expects a torch.nn.Transformer, got {type(module).__name__} "
                             f"(lacking {', '.join(lacking)})")
         new = cls.__new__(cls)
-        new.encoder = TransformerEncoder.from_torch(module.encoder, activation=activation)
-        new.decoder = TransformerDecoder.from_torch(module.decoder, activation=activation)
+        new.encoder = TransformerEncoder.from_torch(module.encoder, activation=activation, precision=precision)
+        new.decoder = TransformerDecoder.from_torch(module.decoder, activation=activation, precision=precision)
         new.d_model = int(module.d_model)
         new.nhead = int(module.nhead)
         new.batch_first = bool(module.batch_first)
@@ -771,4 +869,7 @@ class Transformer(_Module):
         if self.batch_first:
             args.append("batch_first=True")
         args.append(f"dtype={layer.dtype.name}")
+        precision = self.precision  # (None where the layers differ: their reprs tell)
+        if precision not in (None, "float32"):
+            args.append(f"precision={precision!r}")
         return f"Transformer({', '.join(args)})"
