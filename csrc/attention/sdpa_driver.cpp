@@ -81,46 +81,57 @@ SdpaShape describe(const SdpaArgs<T>& a) {
   return call;
 }
 
-// The plan of a call: with bfloat16 products, that of its rounded operands
-// (prepared in `a16` and `ops` for the path it takes), else its own.
+// The plan of a call as described.
 template <typename T>
-SdpaPlan plan_call(const SdpaArgs<T>& a, const KernelTable<T>& kt, SdpaArgs<T>& a16,
-                   Bf16Operands& ops) {
-  const KernelFacts facts{kt.query_tile, kt.vector_width};
-  const auto plan_of = [&](const SdpaArgs<T>& args) {
-    const SdpaShape call = describe(args);
-    return plan_sdpa(call, facts, threads_for(sdpa_work(call)));
-  };
-  SdpaPlan plan = plan_of(a);
-  if constexpr (std::is_same_v<T, float>) {
-    if (a.precision == Precision::kBFloat16) {
-      bool tiles = plan.path == SdpaPath::kTiles;
-      prepare_bf16(a, kt, tiles, ops, a16);
-      plan = plan_of(a16);
-      if ((plan.path == SdpaPath::kTiles) != tiles) {
-        tiles = !tiles;
-        prepare_bf16(a, kt, tiles, ops, a16);
-        plan = plan_of(a16);
-      }
-      // The tile path reads the values as pairs, not from an aligned copy.
-      plan.align_values = false;
-    }
-  }
-  return plan;
+SdpaPlan plan_of(const SdpaShape& call, const KernelTable<T>& kt) {
+  return plan_sdpa(call, KernelFacts{kt.query_tile, kt.vector_width},
+                   threads_for(sdpa_work(call)));
 }
 
 template <typename T>
-void sdpa_forward(const SdpaArgs<T>& args) {
-  if (args.query.shape[0] == 0 || args.query.shape[1] == 0 || args.query.shape[2] == 0 ||
-      args.value.shape(3) == 0)
+void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
+                 const SdpaPlan& plan, const Bf16Operands* bf16);
+
+// A call with bfloat16 products: planned on its own operands, which are then
+// rounded for the path it takes (into a16), and planned again on those
+// (their storage differs); where that plan's path is another, the operands
+// are rounded for it instead.
+static void sdpa_forward_bf16(const SdpaArgs<float>& args, const KernelTable<float>& kt) {
+  SdpaArgs<float> a16;
+  Bf16Operands ops;
+  bool tiles = plan_of(describe(args), kt).path == SdpaPath::kTiles;
+  prepare_bf16(args, kt, tiles, ops, a16);
+  SdpaShape call = describe(a16);
+  SdpaPlan plan = plan_of(call, kt);
+  if ((plan.path == SdpaPath::kTiles) != tiles) {
+    tiles = !tiles;
+    prepare_bf16(args, kt, tiles, ops, a16);
+    call = describe(a16);
+    plan = plan_of(call, kt);
+  }
+  // The tile path reads the values as pairs, not from an aligned copy.
+  plan.align_values = false;
+  run_planned(a16, kt, call, plan, &ops);
+}
+
+template <typename T>
+void sdpa_forward(const SdpaArgs<T>& a) {
+  if (a.query.shape[0] == 0 || a.query.shape[1] == 0 || a.query.shape[2] == 0 ||
+      a.value.shape(3) == 0)
     return;
   const KernelTable<T>& kt = active_kernels(T());
-  SdpaArgs<T> a16;
-  Bf16Operands ops;
-  const SdpaPlan plan = plan_call(args, kt, a16, ops);
-  const bool bf16 = ops.kt16 != nullptr;
-  const SdpaArgs<T>& a = bf16 ? a16 : args;
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.precision == Precision::kBFloat16) return sdpa_forward_bf16(a, kt);
+  }
   const SdpaShape call = describe(a);
+  run_planned(a, kt, call, plan_of(call, kt), nullptr);
+}
+
+// The call's tasks, as planned; bf16: the rounded operands of bfloat16
+// products (a is then theirs), else null.
+template <typename T>
+void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
+                 const SdpaPlan& plan, const Bf16Operands* bf16) {
   const int nthreads = plan.threads;
   const size_t scratch_per_thread = plan.scratch_per_thread;
 
@@ -139,8 +150,7 @@ void sdpa_forward(const SdpaArgs<T>& args) {
   if (plan.finite_values) finite_values.take(a, kt, call.B, call.Hk, call.S_read, nthreads);
   MaskBlockMap<T> mask_blocks;
   if (plan.mask_blocks) mask_blocks.build(a, kt, kt.query_tile, nthreads);
-  const SdpaContext<T> context{a,           kt, plan, finite_values, mask_blocks, states.data(),
-                               bf16 ? &ops : nullptr};
+  const SdpaContext<T> context{a, kt, plan, finite_values, mask_blocks, states.data(), bf16};
 
   // Each thread runs a contiguous share of the tasks, in which a head's tasks
   // follow each other, so its keys and values are read into that core's
