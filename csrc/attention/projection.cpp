@@ -166,7 +166,7 @@ void linear_bf16(const StridedView<const float, 3>& x, const RowMajorView<const 
                    const GemmInit init = k0 > 0 ? GemmInit::kAddSum
                                          : bias ? GemmInit::kBiasColumns
                                                 : GemmInit::kZero;
-                   kt16.gemm(n, cols, std::min(k_block, pairs - k0), x_rows + k0, pairs, 1,
+                   kt16.gemm_wide(n, cols, std::min(k_block, pairs - k0), x_rows + k0, pairs, 1,
                              packed->panel(p) + k0 * width, width, y_tile, rows_of.y_spacing,
                              init, bias ? bias + p * width : nullptr);
                  }
@@ -181,7 +181,7 @@ Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w) {
   const Bf16KernelTable& kt16 = active_bf16_kernels();
   Bf16Weights packed;
   packed.rows = w.rows, packed.cols = w.cols;
-  packed.width = kt16.panel_width;
+  packed.width = kt16.wide_panel_width;
   packed.pairs = (w.cols + 1) / 2;
   const int64_t panels = (w.rows + packed.width - 1) / packed.width;
   packed.data = cache_line_array<uint32_t>(size_t(std::max<int64_t>(1, panels * packed.pairs * packed.width)));

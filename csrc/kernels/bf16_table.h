@@ -46,6 +46,16 @@ struct Bf16KernelTable {
   // columns: a transposing pack).
   void (*pack_pairs)(const float* src, int64_t ld_k, int64_t ld_n, int64_t K, int64_t N,
                      float scale, uint32_t* dst, int64_t ldd);
+
+  // gemm with a register tile of fewer rows and more vectors (the float
+  // gemm_wide's), for a wide B packed in panels of wide_panel_width: fewer
+  // broadcasts of A per product. The same sums: the same bits. The emulated
+  // tables, whose halves of A and B take registers of their own, have gemm
+  // and panel_width here.
+  int wide_panel_width;
+  void (*gemm_wide)(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t a_row,
+                    int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                    GemmInit init, const float* init_values);
 };
 
 const Bf16KernelTable& scalar_bf16_kernels();

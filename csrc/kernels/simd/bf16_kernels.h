@@ -155,9 +155,22 @@ struct Bf16Kernels {
       }
   }
 
+  // The wide tile: the float gemm_wide's shape where the instruction does
+  // the products; the emulations keep gemm's tile.
+  static constexpr int kWideRows = kNative ? Vec::kWideRows : kRows;
+  static constexpr int kWideVectors = kNative ? Vec::kWideVectors : kVectors;
+
+  static void gemm_wide(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t a_row,
+                        int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                        GemmInit init, const float* init_values) {
+    Gemm::template gemm_panels<kWideRows, kWideVectors, Step, false>(
+        M, N, K2, a, a_row, a_col, b, ldb, c, ldc, init, init_values);
+  }
+
   static Bf16KernelTable table(const char* name, Isa isa) {
-    return Bf16KernelTable{name, isa, kNative, kVectors * W, gemm, round, round_in_place,
-                           pack_pairs};
+    return Bf16KernelTable{name,           isa,   kNative,    kVectors * W,
+                           gemm,           round, round_in_place, pack_pairs,
+                           kWideVectors * W, kNative ? gemm_wide : gemm};
   }
 };
 
