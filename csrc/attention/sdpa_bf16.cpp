@@ -24,24 +24,27 @@ int64_t distinct_extent(const StoredView<float>& v, int d) {
 }
 
 // Runs body(b, h, j0, n, rows, ld) over blocks of the distinct (b, h) of v,
-// rows [j0, j0 + n) given as float32 (widened where v is 16-bit), in parallel.
+// rows [j0, j0 + n) given as float32 (widened where v is 16-bit, into a
+// buffer per thread allocated beforehand, so that a failure raises in the
+// calling thread), in parallel.
 template <typename Body>
 void for_float_blocks(const StoredView<float>& v, const KernelTable<float>& kt,
                       const Body& body) {
   const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
   const int64_t S = v.shape(2), D = v.shape(3);
   const int64_t blocks = (S + kConvertRows - 1) / kConvertRows;
-  parallel_for(Bx * Hx * blocks, threads_for(kConvertWork * double(Bx * Hx * S * D)),
-               Schedule::kStatic, [&](int64_t t) {
-                 const int64_t bh = t / blocks, j0 = (t % blocks) * kConvertRows;
-                 const int64_t n = std::min(kConvertRows, S - j0);
-                 thread_local std::vector<float> buf;
-                 buf.resize(size_t(kConvertRows * D));
-                 const RowReader<float> reader = row_reader(v, kt, bh / Hx, bh % Hx);
-                 int64_t ld;
-                 const float* rows = reader.rows(j0, n, buf.data(), ld);
-                 body(bh, j0, n, rows, ld);
-               });
+  const int nthreads = threads_for(kConvertWork * double(Bx * Hx * S * D));
+  std::vector<float> widened(v.storage == Storage::kNative ? 0
+                                                           : size_t(nthreads * kConvertRows * D));
+  parallel_for(Bx * Hx * blocks, nthreads, Schedule::kStatic, [&](int64_t t) {
+    const int64_t bh = t / blocks, j0 = (t % blocks) * kConvertRows;
+    const int64_t n = std::min(kConvertRows, S - j0);
+    float* buf = widened.empty() ? nullptr : widened.data() + current_thread() * kConvertRows * D;
+    const RowReader<float> reader = row_reader(v, kt, bh / Hx, bh % Hx);
+    int64_t ld;
+    const float* rows = reader.rows(j0, n, buf, ld);
+    body(bh, j0, n, rows, ld);
+  });
 }
 
 // v's rows rounded to bfloat16, in rows of ld >= D elements (zero past D),
