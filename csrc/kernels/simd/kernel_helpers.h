@@ -19,8 +19,8 @@ namespace {
 // alone fall well short of the bandwidth a plain sum reaches. The requests
 // go to L2 (prefetcht1), not L1: each request to L1 holds one of the core's
 // few L1 miss buffers until its line arrives, which capped a decoding step
-// from DRAM at about a third of the read bandwidth; requests to L2 do not,
-// and took a float32 cache of 64 MiB from 11 to 18 GB/s (AMD EPYC Zen 4).
+// from DRAM well below the read bandwidth; requests to L2 do not (see
+// docs/tuning.md).
 // Counted in bytes, not rows, so that 16-bit and int8 rows (256 and 128
 // bytes at a head dim of 128) are asked for as far ahead as float32 ones.
 // The scores, which read four rows at a time a vector of each, ask for the
