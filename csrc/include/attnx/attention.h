@@ -61,7 +61,8 @@ struct StoredView {
 //   window_right:  j <= i + d + window_right
 // with d = 0 (top-left) or klen - qlen (bottom-right), klen = key_lengths[b]
 // (or mask_cols) and qlen = query_lengths[b] (or L). Rows i >= qlen are
-// padding: their output is zero. Keys at or past klen are never read.
+// padding: their output is zero (packed: they are not there). Keys at or
+// past klen are never read.
 struct KeyRange {
   bool causal = false;
   bool bottom_right = false;
@@ -69,6 +70,11 @@ struct KeyRange {
   int64_t window_right = -1;  // < 0: unbounded
   const int64_t* key_lengths = nullptr;    // (B), each in [0, S]; needs mask_cols == S
   const int64_t* query_lengths = nullptr;  // (B), each in [0, L]
+  // Packed sequences (varlen attention, the layers' padding-free rows): the
+  // views reach batch b through batch_offsets, its rows laid end to end with
+  // the next batch's, so its rows i >= qlen and keys j >= klen are another
+  // sequence's (or lie past the arrays): never read, never written.
+  bool packed = false;
 
   bool banded() const { return causal || window_left >= 0 || window_right >= 0; }
 };
