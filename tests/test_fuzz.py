@@ -218,14 +218,12 @@ def test_oracle_judges_list_inputs_by_their_values():
         fz.compare(got, expected, np.dtype(np.float32), "list input", [np.ones((1, 3), np.float32), [[0.5, 1.0]]])
 
 
-@pytest.mark.xfail(strict=True, reason="attnx bug: a softcap past float32's range gives NaN in float32")
 @pytest.mark.parametrize("entry", ["sdpa", "varlen"])
 def test_a_softcap_past_float32_range_is_refused_or_has_no_effect(entry):
     """Found by the fuzzer (fuzz_varlen): ``softcap=1e39`` (any finite value past float32's
-    largest, 3.4e38) passes the ``finite and > 0`` check, and a float32 computation then
-    gives NaN everywhere (the cap rounds to Inf in float32: Inf * tanh(s / Inf) = NaN) where
-    the float64 reference gives the result without a cap. The same in sdpa. attnx must
-    either raise ValueError or compute as the reference does."""
+    largest, 3.4e38) gave NaN everywhere in a float32 computation (the cap rounded to Inf:
+    Inf * tanh(s / Inf) = NaN) where the float64 reference gives the result without a cap.
+    Such a cap caps nothing float32 holds: the result is the uncapped one."""
     q = np.random.default_rng(0).standard_normal((5, 2, 8)).astype(np.float32)  # (tokens, H, E)
     call = {"sdpa": lambda **kw: attnx.scaled_dot_product_attention(*(q.transpose(1, 0, 2),) * 3, **kw),
             "varlen": lambda **kw: attnx.varlen_attention(q, q, q, [0, 2, 5], **kw)}[entry]
@@ -236,14 +234,13 @@ def test_a_softcap_past_float32_range_is_refused_or_has_no_effect(entry):
     np.testing.assert_allclose(got, call(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="attnx bug: a huge softcap with precision='bfloat16' gives wrong results")
 @pytest.mark.parametrize("entry", ["sdpa", "varlen"])
 def test_a_huge_softcap_with_bfloat16_products_has_no_effect(entry):
     """Found by the fuzzer (fuzz_varlen): with ``precision="bfloat16"``, a large softcap
-    (about 1e37 and up, still within float32's range) gives results far from the reference
-    of the same rounding (off by 0.13 at 1e37, 2.7 at 1e38, for N(0, 1) inputs), where
-    ``softcap * tanh(s / softcap)`` is ``s`` to float32's precision; the float32 products
-    give the right result. The same in sdpa."""
+    (about 1e37 and up, still within float32's range) gave results far from the reference
+    of the same rounding (off by 0.13 at 1e37, 2.7 at 1e38, for N(0, 1) inputs): the rounded
+    queries carried the cap's division (scale * q / softcap, flushed to zero as a bfloat16
+    subnormal), where the reference rounds scale * q and divides the float32 scores."""
     from attnx import reference
 
     q = np.random.default_rng(0).standard_normal((20, 2, 8)).astype(np.float32)  # (tokens, H, E)
