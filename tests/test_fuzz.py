@@ -223,7 +223,7 @@ def test_a_softcap_past_float32_range_is_refused_or_has_no_effect(entry):
     """Found by the fuzzer (fuzz_varlen): ``softcap=1e39`` (any finite value past float32's
     largest, 3.4e38) gave NaN everywhere in a float32 computation (the cap rounded to Inf:
     Inf * tanh(s / Inf) = NaN) where the float64 reference gives the result without a cap.
-    Such a cap caps nothing float32 holds: the result is the uncapped one."""
+    Such a cap is float32's largest: a finite score keeps its value."""
     q = np.random.default_rng(0).standard_normal((5, 2, 8)).astype(np.float32)  # (tokens, H, E)
     call = {"sdpa": lambda **kw: attnx.scaled_dot_product_attention(*(q.transpose(1, 0, 2),) * 3, **kw),
             "varlen": lambda **kw: attnx.varlen_attention(q, q, q, [0, 2, 5], **kw)}[entry]

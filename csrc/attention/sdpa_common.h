@@ -77,6 +77,20 @@ RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_
   return r;
 }
 
+// The soft cap on rows x cols scores x[r * ld + c]: c * tanh(s / c). The
+// scores are divided by the cap first unless `divided` (the queries carried
+// the division: SdpaArgs::softcap_folded()). Nothing without a cap.
+template <typename T>
+void soft_cap(const SdpaArgs<T>& a, const KernelTable<T>& kt, T* x, int64_t rows, int64_t ld,
+              int64_t cols, bool divided) {
+  if (!(a.softcap > 0)) return;
+  if (!divided) {
+    const T inverse = static_cast<T>(1.0 / double(a.softcap));
+    for (int64_t r = 0; r < rows; ++r) kt.scale(x + r * ld, cols, inverse, x + r * ld);
+  }
+  kt.softcap(x, rows, ld, cols, a.softcap);
+}
+
 // The cache lines of `rows` rows of `cols` elements of T, `ld` apart.
 template <typename T>
 LineRange row_lines(const T* first_row, int64_t ld, int64_t rows, int64_t cols) {

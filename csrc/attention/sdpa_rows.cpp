@@ -88,7 +88,7 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
                                         E, a.query_scale(), s_rows, true);
     }
     if (!direct_keys) kt.scores(q_rows, n_rows, kb, ldk, n, E, a.query_scale(), s_rows, keys.native);
-    if (a.softcap > 0) kt.softcap(tile, rows, kKeyBlock, n, a.softcap);
+    soft_cap(a, kt, tile, rows, kKeyBlock, n, a.softcap_folded());
     // The rows whose values go through the block in one pass, together.
     const T* p_plain[kQueryBlock];
     T* acc_plain[kQueryBlock];
@@ -211,7 +211,7 @@ void rows_with_weights(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0
       T* scores = p + j0;
       kt.scores(&q, 1, kb, ldk, n, E, a.query_scale(), &scores, i == i0 && keys.native);
     }
-    if (a.softcap > 0) kt.softcap(p, 1, S_read, S_read, a.softcap);
+    soft_cap(a, kt, p, 1, S_read, S_read, a.softcap_folded());
     std::fill(p + S_read, p + S, T(0));
     const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
     std::fill(o, o + Ev, T(0));

@@ -75,7 +75,7 @@ void sdpa_scores(const SdpaArgs<T>& a, ScoreStage stage, T* scores) {
     for (int r = 0; r < rows; ++r) {
       T* p = out_rows[r];
       // (2) the soft cap, (3) the masks and the key range
-      if (a.softcap > 0) kt.softcap(p, 1, S, S, a.softcap);
+      soft_cap(a, kt, p, 1, S, S, a.softcap_folded());
       if (stage == ScoreStage::kSoftcapped) continue;
       const KeyStates states = apply_masks(a, b, h, i0 + r, 0, S, p);
       if (stage == ScoreStage::kMasked) continue;

@@ -148,8 +148,7 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
 
 // The scores of keys [start, start + n) with bfloat16 products: the keys'
 // pairs times the tile's query pairs (packed by begin_flash_tile, with the
-// scale), divided by the soft cap where there is one (query_scale's part that
-// the rounded operands leave out).
+// scale alone: the soft cap divides the float32 scores).
 template <typename T>
 void bf16_scores(const SdpaContext<T>& c, const FlashTile<T>& t, int64_t kv_head, int64_t start,
                  int64_t n, T* st) {
@@ -159,8 +158,6 @@ void bf16_scores(const SdpaContext<T>& c, const FlashTile<T>& t, int64_t kv_head
     c.bf16->kt16->gemm(n, t.lanes, (E + 1) / 2, c.bf16->key_pairs(c.args, t.b, kv_head, start),
                        c.bf16->ldk, 1, reinterpret_cast<const uint32_t*>(t.q_t), qt, st, qt,
                        GemmInit::kZero, nullptr);
-    if (c.args.softcap > 0)
-      c.kt.scale(st, n * qt, static_cast<float>(1.0 / double(c.args.softcap)), st);
   }
 }
 
@@ -275,7 +272,7 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     } else {
       kt.gemm(n, t.lanes, E, kb, ldk, 1, t.q_t, qt, st, qt, GemmInit::kZero, nullptr);
     }
-    if (a.softcap > 0) kt.softcap(st, n, qt, t.lanes, a.softcap);
+    soft_cap(a, kt, st, n, qt, t.lanes, !c.bf16 && a.softcap_folded());
     // (2) bands and masks
     const bool any_closed = t.masks.apply(a, kt, mask_block, start, n, st, mask_scratch);
     // (3) online softmax

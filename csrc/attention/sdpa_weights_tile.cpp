@@ -60,7 +60,7 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
     int64_t ldk;
     const T* kb = keys.rows(j0, n, k_buf, ldk);
     kt.gemm(n, lanes, E, kb, ldk, 1, q_t, qt, sb, qt, GemmInit::kZero, nullptr);
-    if (a.softcap > 0) kt.softcap(sb, n, qt, lanes, a.softcap);
+    soft_cap(a, kt, sb, n, qt, lanes, a.softcap_folded());
     any_closed = masks.apply(a, kt, mask_block, j0, n, sb, mask_scratch) || any_closed;
   }
   // (3) the scores transposed into the rows of the weights (zero past

@@ -5,6 +5,7 @@
 // shapes are checked again in the bindings so that no input crashes.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "attnx/precision.h"
@@ -94,11 +95,19 @@ struct SdpaArgs {
   // Soft-capped scores where > 0: s = softcap * tanh(s / softcap) after the
   // scale and before the masks and the key range, so a closed key stays closed.
   T softcap = 0;
+  // Whether the soft cap's division is folded into the queries' scale (the
+  // kernels' softcap takes s / softcap, saving a multiplication per score):
+  // where scale / softcap stays well inside T's normal range, so that no
+  // scaled query underflows to 0 (0 * inf is NaN where the reference has an
+  // infinite score). A larger cap divides the scores instead.
+  bool softcap_folded() const {
+    const double folded = std::fabs(double(scale) / double(softcap));
+    return softcap > 0 && (folded == 0 || (folded >= 0x1p-64 && folded <= 0x1p64));
+  }
   // What the queries are multiplied by: the scale, divided by the soft cap
-  // where there is one (the kernels' softcap takes s / softcap, saving a
-  // multiplication per score).
+  // where it is folded.
   T query_scale() const {
-    return softcap > 0 ? static_cast<T>(double(scale) / double(softcap)) : scale;
+    return softcap_folded() ? static_cast<T>(double(scale) / double(softcap)) : scale;
   }
   StridedView<T, 4> out;  // (B, Hq, L, Ev), last dim contiguous
   // Optional attention probabilities, C-contiguous (B, Hq, L, S). With

@@ -35,10 +35,13 @@ struct TanhConstantsF32 {
 };
 
 // c tanh(y): the factor c is taken into P's coefficients (c p_k, rounded
-// once each), a multiplication fewer per vector.
+// once each), a multiplication fewer per vector. y P reaches about 400 c at
+// the clamp, so a cap past 2^100 (one that caps no float score a model
+// makes) multiplies tanh(y) instead, rather than overflow.
 template <class Vec>
 typename Vec::V vector_tanh_times_f32(typename Vec::V y, float c) {
   using C = TanhConstantsF32;
+  if (!(c <= 0x1p100f)) return Vec::mul(vector_tanh_times_f32<Vec>(y, 1.0f), Vec::set1(c));
   y = Vec::max(Vec::set1(-C::kClamp), y);
   y = Vec::min(Vec::set1(C::kClamp), y);
   const typename Vec::V t = Vec::mul(y, y);
