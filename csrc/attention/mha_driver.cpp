@@ -9,6 +9,7 @@
 //   weights: per head (N, H, L, S'), or their mean over heads
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "attention/cache_line_array.h"
 #include "attention/projection.h"
@@ -94,7 +95,8 @@ bool stacked_self_projection(const MhaArgs<T>& a) {
     return false;
   const bool plain_keys = !a.static_k.present() && !a.static_v.present() && !a.bias_k &&
                           !a.bias_v && !a.add_zero_attn;
-  const bool self = same_view(a.key, a.query) && same_view(a.value, a.query);
+  const bool self = same_view(a.key, a.query) && same_view(a.value, a.query) &&
+                    a.key_rows.starts == a.query_rows.starts;
   return plain_keys && self && a.stacked();
 }
 
@@ -109,15 +111,31 @@ void mha_forward(const MhaArgs<T>& a) {
   // uninitialised: zero-filling them would cost a pass over memory.)
   Buffer<T> q_storage, k_storage, v_storage;
   StridedView<const T, 4> queries, keys, values;
+  // Packed sequences (query_rows): the projections run over all rows at
+  // once, as over one batch of N * L rows; the heads views reach each
+  // sequence through offsets.
+  const bool packed = a.query_rows.present();
+  const PackedRows& qr = a.query_rows;
+  std::vector<int64_t> q_offsets, k_offsets, out_offsets;
   const bool stacked = stacked_self_projection(a);
-  if (stacked && a.precision == Precision::kNative && self_attention_few_rows(a)) return;
+  if (stacked && a.precision == Precision::kNative && !packed && !a.key_lengths &&
+      self_attention_few_rows(a))
+    return;
   if (stacked) {
     // (N, L, 3E): q, k and v side by side in each row.
     q_storage = Buffer<T>(size_t(N * L * 3 * E));
     mha::project_self<T>(a, a.query, q_storage.data(), a.precision);
-    queries = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 0);
-    keys = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, E);
-    values = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 2 * E);
+    if (packed) {
+      q_offsets = mha::row_offsets(qr, 3 * E);
+      const T* qkv = q_storage.data();
+      queries = mha::packed_heads_view<const T>(qkv, qr, q_offsets.data(), E, H, 3 * E, 0);
+      keys = mha::packed_heads_view<const T>(qkv, qr, q_offsets.data(), E, H, 3 * E, E);
+      values = mha::packed_heads_view<const T>(qkv, qr, q_offsets.data(), E, H, 3 * E, 2 * E);
+    } else {
+      queries = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 0);
+      keys = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, E);
+      values = heads_view<const T>(q_storage.data(), N, L, E, H, 3 * E, 2 * E);
+    }
   } else {
     q_storage = Buffer<T>(size_t(N * L * E));
     StridedView<T, 3> q_proj;
@@ -125,13 +143,27 @@ void mha_forward(const MhaArgs<T>& a) {
     q_proj.shape[0] = N, q_proj.shape[1] = L, q_proj.shape[2] = E;
     q_proj.stride[0] = L * E, q_proj.stride[1] = E, q_proj.stride[2] = 1;
     linear_forward(a.query, a.w_q, a.b_q, q_proj, Activation::kNone, a.precision, a.bf16_q);
-    queries = heads_view<const T>(q_storage.data(), N, L, E, H);
+    if (packed) {
+      q_offsets = mha::row_offsets(qr, E);
+      queries = mha::packed_heads_view<const T>(q_storage.data(), qr, q_offsets.data(), E, H);
+    } else {
+      queries = heads_view<const T>(q_storage.data(), N, L, E, H);
+    }
     keys = build_keys(a.key, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage,
                       a.precision, a.bf16_k);
     values = build_keys(a.value, a.w_v, a.b_v, a.bias_v, a.add_zero_attn, a.static_v, H,
                         v_storage, a.precision, a.bf16_v);
+    if (a.key_rows.present()) {
+      // Projected (1, total_k, E) rows: the same buffers seen per sequence.
+      k_offsets = mha::row_offsets(a.key_rows, E);
+      keys = mha::packed_heads_view<const T>(keys.data, a.key_rows, k_offsets.data(), E, H);
+      values = mha::packed_heads_view<const T>(values.data, a.key_rows, k_offsets.data(), E, H);
+    }
   }
-  const int64_t S_src = a.static_k.present() ? a.static_k.shape[2] : a.key.shape[1];
+  const int64_t S_src = a.static_k.present()   ? a.static_k.shape[2]
+                        : a.key_rows.present() ? a.key_rows.max_length
+                        : stacked && packed    ? qr.max_length
+                                               : a.key.shape[1];
   const int64_t Sp = keys.shape[2];
 
   // Attention per head, written with the heads concatenated.
@@ -145,8 +177,20 @@ void mha_forward(const MhaArgs<T>& a) {
   sdpa.mask_cols = S_src;
   sdpa.range.causal = a.causal;
   sdpa.range.bottom_right = a.bottom_right;
+  sdpa.range.key_lengths = a.key_lengths;
+  if (packed) {
+    sdpa.range.packed = true;
+    sdpa.range.query_lengths = qr.lengths;
+    const PackedRows& kr = stacked ? qr : a.key_rows;
+    if (kr.present()) sdpa.range.key_lengths = kr.lengths;
+  }
   sdpa.scale = T(1) / std::sqrt(T(hd));
-  sdpa.out = heads_view<T>(attn_storage.data(), N, L, E, H);
+  if (packed) {
+    out_offsets = mha::row_offsets(qr, E);
+    sdpa.out = mha::packed_heads_view<T>(attn_storage.data(), qr, out_offsets.data(), E, H);
+  } else {
+    sdpa.out = heads_view<T>(attn_storage.data(), N, L, E, H);
+  }
   sdpa.precision = a.precision;
   if (a.weights) {
     if (a.average_weights) {
