@@ -259,13 +259,9 @@ class TransformerEncoder(_Stack):
         causal = _detect_is_causal(attn_mask, is_causal, L, "is_causal")
         for layer in self.layers:
             layer._check_inference()
-        codes = _precisions(self.layers, precision)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            # The final norm goes into the last layer's call (one pass over its rows).
-            x = _layers.encoder_layer(layer, x, attn_mask, padding, causal, self.norm if i == last else None,
-                                      precision=codes[i])
-        return x
+        # The final norm goes into the last layer's call (one pass over its rows).
+        return _layers.encode(self.layers, self.norm, x, attn_mask, padding, causal,
+                              _precisions(self.layers, precision))
 
     @classmethod
     def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None,
@@ -414,12 +410,8 @@ class TransformerDecoder(_Stack):
         memory_causal = as_bool_flag(memory_is_causal, "memory_is_causal")
         for layer in self.layers:
             layer._check_inference()
-        codes = _precisions(self.layers, precision)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = _layers.decoder_layer(layer, x, mem, *masks, causal, memory_causal, self.norm if i == last else None,
-                                      precision=codes[i])
-        return x
+        return _layers.decode(self.layers, self.norm, x, mem, *masks, causal, memory_causal,
+                              _precisions(self.layers, precision))
 
     def new_cache(self, batch: int, max_len: int, dtype: npt.DTypeLike = np.float32) -> TransformerDecoderCache:
         """A decoding state for :meth:`step`: room for ``max_len`` tokens of ``batch`` sequences.
