@@ -310,6 +310,8 @@ void register_mha(py::module_& m) {
       .def_property_readonly("vdim", &MhaWeights::vdim)
       .def_property_readonly("bias_kv", &MhaWeights::bias_kv)
       .def_property_readonly("add_zero_attn", &MhaWeights::add_zero_attn);
+  m.def("head_dim", &checked_head_dim, py::arg("embed_dim"), py::arg("num_heads"),
+        "embed_dim // num_heads; ValueError unless num_heads divides embed_dim >= 1.");
   m.def("mha", &mha, py::arg("weights"), py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("extras"), py::arg("options"),
         "Multi-head attention forward: (out, weights or None). extras: None, or\n"

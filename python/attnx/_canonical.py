@@ -25,7 +25,6 @@ from ._arrays import (
     as_finite_scale,
     as_float,
     as_lengths,
-    check_heads,
     causal_mode,
     check_out,
     kernel_layout,
@@ -316,7 +315,7 @@ def mha_weights(p: dict, num_heads: int, E: int, dtype, result_dtype) -> "_core.
     `dtype` is the compute dtype (the parameters are converted to it) and `result_dtype` the
     dtype results are returned in.
     """
-    check_heads(E, num_heads)
+    # (That num_heads divides E is the core's own rule, checked by _core.MhaWeights.)
     projections = _projections(p, E, dtype)
     in_biases = None
     if p.get("in_proj_bias") is not None:
