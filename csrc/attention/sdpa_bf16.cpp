@@ -23,13 +23,15 @@ int64_t distinct_extent(const StoredView<float>& v, int d) {
   return v.stride(d) == 0 && !(d == 0 && offsets) ? 1 : v.shape(d);
 }
 
-// Runs body(b, h, j0, n, rows, ld) over blocks of the distinct (b, h) of v,
-// rows [j0, j0 + n) given as float32 (widened where v is 16-bit, into a
-// buffer per thread allocated beforehand, so that a failure raises in the
-// calling thread), in parallel.
+// Runs body(b, h, j0, n, have, rows, ld) over blocks of the distinct (b, h)
+// of v, rows [j0, j0 + n), of which the first `have` are the batch's and
+// given as float32 (widened where v is 16-bit, into a buffer per thread
+// allocated beforehand, so that a failure raises in the calling thread); the
+// rest (a packed batch's rows past its keys, another sequence's) are not
+// read. In parallel.
 template <typename Body>
-void for_float_blocks(const StoredView<float>& v, const KernelTable<float>& kt,
-                      const Body& body) {
+void for_float_blocks(const SdpaArgs<float>& a, const StoredView<float>& v,
+                      const KernelTable<float>& kt, const Body& body) {
   const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
   const int64_t S = v.shape(2), D = v.shape(3);
   const int64_t blocks = (S + kConvertRows - 1) / kConvertRows;
@@ -39,30 +41,34 @@ void for_float_blocks(const StoredView<float>& v, const KernelTable<float>& kt,
   parallel_for(Bx * Hx * blocks, nthreads, Schedule::kStatic, [&](int64_t t) {
     const int64_t bh = t / blocks, j0 = (t % blocks) * kConvertRows;
     const int64_t n = std::min(kConvertRows, S - j0);
+    const int64_t have = std::clamp<int64_t>(key_rows(a, bh / Hx) - j0, 0, n);
     float* buf = widened.empty() ? nullptr : widened.data() + current_thread() * kConvertRows * D;
     const RowReader<float> reader = row_reader(v, kt, bh / Hx, bh % Hx);
-    int64_t ld;
-    const float* rows = reader.rows(j0, n, buf, ld);
-    body(bh, j0, n, rows, ld);
+    int64_t ld = D;
+    const float* rows = have > 0 ? reader.rows(j0, have, buf, ld) : nullptr;
+    body(bh, j0, n, have, rows, ld);
   });
 }
 
 // v's rows rounded to bfloat16, in rows of ld >= D elements (zero past D),
 // as a (B', H', S, ld) copy (B', H': 1 where v is broadcast); `view` is set
 // to read it as v's shape.
-CacheLineArray<uint16_t> rounded_rows(const StoredView<float>& v, const KernelTable<float>& kt,
+CacheLineArray<uint16_t> rounded_rows(const SdpaArgs<float>& a, const StoredView<float>& v,
+                                      const KernelTable<float>& kt,
                                       const Bf16KernelTable& kt16, int64_t ld,
                                       StridedView<const uint16_t, 4>& view) {
   const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
   const int64_t S = v.shape(2), D = v.shape(3);
   CacheLineArray<uint16_t> copy = cache_line_array<uint16_t>(size_t(std::max<int64_t>(1, Bx * Hx * S * ld)));
   uint16_t* data = copy.get();
-  for_float_blocks(v, kt, [&](int64_t bh, int64_t j0, int64_t n, const float* rows, int64_t ldr) {
-    for (int64_t j = 0; j < n; ++j) {
+  for_float_blocks(a, v, kt, [&](int64_t bh, int64_t j0, int64_t n, int64_t have,
+                                 const float* rows, int64_t ldr) {
+    for (int64_t j = 0; j < have; ++j) {
       uint16_t* dst = data + (bh * S + j0 + j) * ld;
       kt16.round(rows + j * ldr, D, dst);
       std::fill(dst + D, dst + ld, uint16_t(0));
     }
+    std::fill(data + (bh * S + j0 + have) * ld, data + (bh * S + j0 + n) * ld, uint16_t(0));
   });
   view = StridedView<const uint16_t, 4>{};
   view.data = data;
@@ -100,7 +106,8 @@ void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
   const float query_scale = a.query_scale();
   parallel_for(B * Hq, threads_for(kConvertWork * double(B * Hq * L * E)), Schedule::kStatic,
                [&](int64_t bh) {
-                 for (int64_t i = 0; i < L; ++i) {
+                 // Packed, the rows past the batch's are another's: left unread.
+                 for (int64_t i = 0; i < query_rows(a, bh / Hq); ++i) {
                    float* dst = ops.queries.get() + (bh * L + i) * E;
                    kt.scale(a.query.at(bh / Hq, bh % Hq, i), E, query_scale, dst);
                    kt16.round_in_place(dst, E);
@@ -128,7 +135,7 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool t
   // Keys: bfloat16 rows of an even length.
   if (!pairs_in_place(a.key)) {
     StridedView<const uint16_t, 4> bits;
-    ops.keys = rounded_rows(a.key, kt, kt16, (E + 1) / 2 * 2, bits);
+    ops.keys = rounded_rows(a, a.key, kt, kt16, (E + 1) / 2 * 2, bits);
     a16.key = bits_view(bits);
   }
   ops.ldk = a16.key.bits.stride[2] / 2;
@@ -138,7 +145,7 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool t
   if (!tile_path) {
     if (a.value.storage != Storage::kBFloat16) {
       StridedView<const uint16_t, 4> bits;
-      ops.values = rounded_rows(a.value, kt, kt16, a.value.shape(3), bits);
+      ops.values = rounded_rows(a, a.value, kt, kt16, a.value.shape(3), bits);
       a16.value = bits_view(bits);
     }
     return;
@@ -150,8 +157,13 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool t
   ops.pairs_stride[0] = Bx == 1 ? 0 : Hx * S2 * Ev;
   ops.pairs_stride[1] = Hx == 1 ? 0 : S2 * Ev;
   uint32_t* pairs = ops.pairs.get();
-  for_float_blocks(v, kt, [&](int64_t bh, int64_t j0, int64_t n, const float* rows, int64_t ld) {
-    kt16.pack_pairs(rows, ld, 1, n, Ev, 1.0f, pairs + (bh * S2 + j0 / 2) * Ev, Ev);
+  for_float_blocks(a, v, kt, [&](int64_t bh, int64_t j0, int64_t n, int64_t have,
+                                 const float* rows, int64_t ld) {
+    // j0 is even: the block's pairs are its own. Pairs past the batch's keys
+    // are zero (an odd last key's pair is zero in its high half).
+    uint32_t* dst = pairs + (bh * S2 + j0 / 2) * Ev;
+    if (have > 0) kt16.pack_pairs(rows, ld, 1, have, Ev, 1.0f, dst, Ev);
+    std::fill(dst + (have + 1) / 2 * Ev, dst + (n + 1) / 2 * Ev, uint32_t(0));
   });
 }
 

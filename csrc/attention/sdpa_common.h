@@ -179,7 +179,10 @@ struct FiniteRows {
     parallel_for(B * Hk, nthreads, Schedule::kStatic, [&](int64_t bh) {
       const T* rows = a.value.native.at(bh / Hk, bh % Hk);
       uint8_t* f = flags.data() + bh * S_read;
-      for (int64_t j = 0; j < S_read; ++j) f[j] = kt.all_finite(rows + j * ld, Ev) ? 1 : 0;
+      // Packed, keys past the batch's are another's: never read, flagged finite.
+      const int64_t n = std::min(S_read, key_rows(a, bh / Hk));
+      for (int64_t j = 0; j < n; ++j) f[j] = kt.all_finite(rows + j * ld, Ev) ? 1 : 0;
+      std::fill(f + n, f + S_read, uint8_t(1));
     });
   }
   // Whether rows [start, start + n) of (b, h) are all finite: from the

@@ -17,11 +17,13 @@
 // Each output row is computed by one thread in a fixed order, so results do
 // not depend on the thread count.
 #include <algorithm>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "attention/cache_line_array.h"
+#include "attention/masking/key_range.h"
 #include "attention/masking/mask_blocks.h"
 #include "attention/sdpa_common.h"
 #include "attention/sdpa_context.h"
@@ -76,6 +78,10 @@ SdpaShape describe(const SdpaArgs<T>& a) {
   call.banded = a.range.banded();
   call.key_lengths = a.range.key_lengths != nullptr;
   call.query_lengths = a.range.query_lengths != nullptr;
+  call.packed = a.range.packed;
+  if (call.packed)
+    for (int64_t b = 0; b < call.B; ++b)
+      call.pairs += double(query_length(a, b)) * double(key_length(a, b));
   call.weights = a.weights != nullptr;
   call.values_on_lines = call.values.native && value_rows_on_lines(a, 0, 0);
   return call;
@@ -119,6 +125,9 @@ void sdpa_forward(const SdpaArgs<T>& a) {
   if (a.query.shape[0] == 0 || a.query.shape[1] == 0 || a.query.shape[2] == 0 ||
       a.value.shape(3) == 0)
     return;
+  if (a.range.packed && (a.weights || a.masks[0].present() || a.masks[1].present() ||
+                         a.mask_cols != a.key.shape(2)))
+    throw std::invalid_argument("sdpa_forward: packed sequences take no weights and no masks");
   const KernelTable<T>& kt = active_kernels(T());
   if constexpr (std::is_same_v<T, float>) {
     if (a.precision == Precision::kBFloat16) return sdpa_forward_bf16(a, kt);
@@ -158,17 +167,17 @@ void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape
   // (kBalanced). Handing out whole heads to whichever thread is free
   // instead, a core slowed for a moment leaves the other idle for up to a
   // head's time at the end (see docs/tuning.md).
-  const int64_t chunks = plan.chunks, q_groups = plan.q_groups, heads = plan.heads;
-  parallel_for(plan.tasks, nthreads, Schedule::kBalanced, [&](int64_t t) {
+  const SdpaTasks tasks(plan, call.B, call.L, a.range.packed ? a.range.query_lengths : nullptr);
+  parallel_for(tasks.count(), nthreads, Schedule::kBalanced, [&](int64_t t) {
     T* my_scratch = scratch + current_thread() * scratch_per_thread;
-    const int64_t c = t % chunks, qg = (t / chunks) % q_groups, bh = t / (chunks * q_groups);
-    const int64_t b = bh / heads, h = bh % heads;
-    const int64_t qb = qg * plan.group;
+    const SdpaTask task = tasks.at(t);
+    const int64_t b = task.b, h = task.h, c = task.c;
+    const int64_t qb = task.qg * plan.group;
     const int64_t r0 = qb * plan.rows_per_task;
-    const int64_t r1 = std::min(plan.rows_per_head, r0 + plan.rows_per_task);
+    const int64_t r1 = std::min(task.rows_per_head, r0 + plan.rows_per_task);
     switch (plan.path) {
       case SdpaPath::kTiles:
-        flash_tiles(context, b, h, r0, std::min(plan.group, plan.q_blocks - qb), my_scratch,
+        flash_tiles(context, b, h, r0, std::min(plan.group, task.q_blocks - qb), my_scratch,
                     plan.align_values ? &aligned_values[current_thread()] : nullptr);
         break;
       case SdpaPath::kWeightsTile:
@@ -182,10 +191,12 @@ void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape
         break;
     }
   });
-  if (chunks > 1) {
-    const int64_t Hq = call.Hq, L = call.L, Ev = call.Ev, state_size = plan.state_size;
+  if (plan.chunks > 1) {
+    const int64_t chunks = plan.chunks, Hq = call.Hq, L = call.L, Ev = call.Ev;
+    const int64_t state_size = plan.state_size;
     parallel_for(call.B * Hq * L, nthreads, Schedule::kStatic, [&](int64_t row) {
       const int64_t bh = row / L, i = row % L;
+      if (i >= query_rows(a, bh / Hq)) return;  // packed: another sequence's row
       merge_chunks(states.data() + row * chunks * state_size, chunks, state_size, Ev,
                    a.out.at(bh / Hq, bh % Hq, i));
     });

@@ -80,7 +80,8 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
       tiled && call.values.native && !ask_ahead &&
       q_blocks >= min_tiles_to_align<T>(kernel.vector_width) &&
       values_copy_bytes <= kAlignedValuesMaxBytes &&
-      values_copy_bytes * nthreads <= kAlignedValuesMaxCallBytes && !call.values_on_lines;
+      values_copy_bytes * nthreads <= kAlignedValuesMaxCallBytes && !call.values_on_lines &&
+      !call.packed;  // a packed batch's rows past its keys are another's
   const size_t values_copy_size = align_values ? size_t(S * values_ld) + 64 / sizeof(T) : 0;
   const int qt = kernel.query_tile;
   plan.scratch_per_thread =
@@ -128,9 +129,47 @@ const char* path_name(SdpaPath path) {
 double sdpa_work(const SdpaShape& call) {
   const double streamed =
       double(call.B * call.Hk) * double(call.S_read) * double(call.E + call.Ev);
-  return double(call.B * call.Hq) * double(call.L) * double(call.S_read) *
-             double(call.E + call.Ev) +
-         kStreamedElementWork * streamed;
+  const double products =
+      call.packed ? double(call.Hq) * call.pairs
+                  : double(call.B * call.Hq) * double(call.L) * double(call.S_read);
+  return products * double(call.E + call.Ev) + kStreamedElementWork * streamed;
+}
+
+SdpaTasks::SdpaTasks(const SdpaPlan& plan, int64_t B, int64_t L, const int64_t* query_lengths)
+    : plan_(plan), count_(plan.tasks), query_lengths_(query_lengths) {
+  if (!query_lengths) return;
+  heads_per_row_ = L > 0 ? plan.rows_per_head / L : 1;
+  first_.resize(size_t(B + 1));
+  first_[0] = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t rows = heads_per_row_ * query_lengths[b];
+    const int64_t q_blocks = (rows + plan.rows_per_task - 1) / plan.rows_per_task;
+    const int64_t q_groups = (q_blocks + plan.group - 1) / plan.group;
+    first_[size_t(b + 1)] = first_[size_t(b)] + plan.heads * q_groups * plan.chunks;
+  }
+  count_ = first_.back();
+}
+
+SdpaTask SdpaTasks::at(int64_t t) const {
+  SdpaTask task;
+  int64_t q_groups = plan_.q_groups;
+  task.q_blocks = plan_.q_blocks, task.rows_per_head = plan_.rows_per_head;
+  if (query_lengths_) {
+    task.b = int64_t(std::upper_bound(first_.begin(), first_.end(), t) - first_.begin()) - 1;
+    t -= first_[size_t(task.b)];
+    task.rows_per_head = heads_per_row_ * query_lengths_[task.b];
+    task.q_blocks = (task.rows_per_head + plan_.rows_per_task - 1) / plan_.rows_per_task;
+    q_groups = (task.q_blocks + plan_.group - 1) / plan_.group;
+  }
+  task.c = t % plan_.chunks;
+  task.qg = (t / plan_.chunks) % q_groups;
+  const int64_t bh = t / (plan_.chunks * q_groups);
+  if (query_lengths_) {
+    task.h = bh;
+  } else {
+    task.b = bh / plan_.heads, task.h = bh % plan_.heads;
+  }
+  return task;
 }
 
 SdpaPlan plan_sdpa(const SdpaShape& call, const KernelFacts& kernel, int threads) {

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace attnx::sdpa {
 
@@ -29,6 +30,10 @@ struct SdpaShape {
   bool banded = false;         // a causal band or a sliding window
   bool key_lengths = false;    // per-batch key lengths
   bool query_lengths = false;  // per-batch query lengths
+  // Sequences packed end to end (KeyRange::packed): no batch has rows past
+  // its lengths, and pairs (below) counts the query-key pairs they have.
+  bool packed = false;
+  double pairs = 0;            // packed: sum over batches of qlen * klen
   bool weights = false;        // the probabilities are wanted
   bool values_on_lines = true; // the value rows of (0, 0) start on cache lines
 };
@@ -76,6 +81,33 @@ struct SdpaPlan {
 // The work that sets the thread count: the multiply-adds, plus the keys and
 // values read (see kStreamedElementWork).
 double sdpa_work(const SdpaShape& call);
+
+// Where a task of a plan works: batch b, head h (a key head on the row
+// path), query group qg and key chunk c; the batch's query blocks and rows
+// per head.
+struct SdpaTask {
+  int64_t b = 0, h = 0, qg = 0, c = 0;
+  int64_t q_blocks = 0, rows_per_head = 0;
+};
+
+// The tasks of a plan, in order: batch, head, query group, key chunk. A
+// packed call's batches have tasks for their own query rows only (a batch of
+// one long sequence among short ones is then cut as finely as a call of it
+// alone), so task t lies in the batch b with first[b] <= t < first[b + 1].
+class SdpaTasks {
+ public:
+  // query_lengths: a packed call's (B), else null.
+  SdpaTasks(const SdpaPlan& plan, int64_t B, int64_t L, const int64_t* query_lengths);
+  int64_t count() const { return count_; }
+  SdpaTask at(int64_t t) const;
+
+ private:
+  const SdpaPlan& plan_;
+  int64_t count_ = 0;
+  int64_t heads_per_row_ = 1;    // query heads a row group spans (rows_per_head / L)
+  std::vector<int64_t> first_;   // packed: (B + 1)
+  const int64_t* query_lengths_ = nullptr;
+};
 
 // The plan of a call that has work (B, Hq, L and Ev all > 0), run on `threads`
 // threads (threads_for(sdpa_work(call))).

@@ -42,9 +42,11 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   std::fill(acc, acc + rows * Ev, T(0));
   std::fill(m, m + rows, kNegInf<T>);
   std::fill(l, l + rows, T(0));
+  // Rows r0..r1 run over the group's heads, each with the batch's query rows.
+  const int64_t rows_of_head = query_rows(a, b);
   for (int64_t r = 0; r < rows; ++r) {
-    head[r] = kv_head * group + (r0 + r) / L;
-    row[r] = (r0 + r) % L;
+    head[r] = kv_head * group + (r0 + r) / rows_of_head;
+    row[r] = (r0 + r) % rows_of_head;
     q_rows[r] = a.query.at(b, head[r], row[r]);
     s_rows[r] = tile + r * kKeyBlock;
     acc_rows[r] = acc + r * Ev;

@@ -90,11 +90,12 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   const int qt = kt.query_tile;
   const int64_t L = a.query.shape[2], S = a.key.shape(2);
   const int64_t E = a.query.shape[3], Ev = a.value.shape(3);
-  // Padding rows (past the batch's query length) are zero.
+  // Padding rows (past the batch's query length) are zero; packed, they are
+  // another sequence's.
   const int64_t tile_rows = std::min<int64_t>(qt, L - i0);
   const int64_t qlen = query_length(a, b);
   const int64_t rows = std::clamp<int64_t>(qlen - i0, 0, tile_rows);
-  for (int64_t r = rows; r < tile_rows; ++r) {
+  for (int64_t r = rows; r < tile_rows && !a.range.packed; ++r) {
     T* out = a.out.at(b, h, i0 + r);
     std::fill(out, out + Ev, T(0));
   }
@@ -185,7 +186,8 @@ bool bf16_values(const SdpaContext<T>& c, const FlashTile<T>& t, int64_t kv_head
       });
     };
     const int64_t lead = start % 2, keys = lead + n;
-    const bool tail = keys % 2 == 1 && start + n < S;
+    // Packed, the pair past the batch's last key is zero in the pairs' copy.
+    const bool tail = keys % 2 == 1 && start + n < std::min(S, key_rows(a, t.b));
     if (any_closed && !finite(start, n)) return false;
     if ((lead && !finite(start - 1, 1)) || (tail && !finite(start + n, 1))) return false;
     if (lead) std::fill_n(st - qt, qt, 0.0f);  // the key before: probability 0

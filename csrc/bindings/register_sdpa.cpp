@@ -102,6 +102,16 @@ StridedView<const T, 4> batched_mask_view(const py::array& mask, const char* nam
   return v;
 }
 
+// kFloat16 or kBFloat16 for an array of native 16-bit floats, else kNative.
+Storage half_storage(const py::array& a) {
+  const py::dtype dt = a.dtype();
+  const bool float16 = dt.kind() == 'f' && dt.itemsize() == 2;
+  // ml_dtypes' bfloat16 is a 2-byte type of its own, known by its name.
+  const bool bfloat16 = dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16";
+  if (!(float16 || bfloat16) || !dt.attr("isnative").cast<bool>()) return Storage::kNative;
+  return float16 ? Storage::kFloat16 : Storage::kBFloat16;
+}
+
 // Keys or values: an array of T, or, for a float32 call, of float16 or
 // bfloat16 (read in place and widened as they are loaded), or of int8 with
 // a float32 scale per row in `scales` (B, H, S), rows contiguous.
@@ -121,13 +131,10 @@ StoredView<T> stored_view(const py::array& a, const char* name, const OptArray& 
         throw py::value_error(scales_name + ": the last dimension must be contiguous");
       return v;
     }
-    const bool float16 = dt.kind() == 'f' && dt.itemsize() == 2;
-    // ml_dtypes' bfloat16 is a 2-byte type of its own, known by its name.
-    const bool bfloat16 = dt.itemsize() == 2 && std::string(py::str(dt)) == "bfloat16";
-    if ((float16 || bfloat16) && dt.attr("isnative").template cast<bool>()) {
+    if (const Storage half = half_storage(a); half != Storage::kNative) {
       check_layout(a, name, 4, true, false, 2);
       StoredView<T> v;
-      v.storage = float16 ? Storage::kFloat16 : Storage::kBFloat16;
+      v.storage = half;
       v.bits.data = static_cast<const uint16_t*>(a.data());
       for (int d = 0; d < 4; ++d) {
         v.bits.shape[d] = a.shape(d);
@@ -321,6 +328,130 @@ void run_sdpa(const py::array& query, const py::array& key, const py::array& val
     throw py::type_error("query: expected float32 or float64");
 }
 
+// Sequence b of packed rows: rows cu[b] .. cu[b + 1] - 1 of `rows` rows.
+// The rules of cu_seqlens (flash-attn's): int64, (B + 1), from 0, never
+// decreasing, to the row count; `name` is the argument's.
+std::vector<int64_t> sequence_lengths(const py::array& cu, const char* name, int64_t rows,
+                                      const char* rows_of) {
+  const StridedView<const int64_t, 1> v = const_view<int64_t, 1>(cu, name);
+  const std::string n(name);
+  if (v.shape[0] < 1)
+    throw py::value_error(n + ": expected (batch + 1) offsets starting at 0, got an empty array");
+  if (v.data[0] != 0)
+    throw py::value_error(n + ": must start at 0, got " + std::to_string(v.data[0]));
+  std::vector<int64_t> lengths(size_t(v.shape[0] - 1));
+  for (int64_t b = 0; b + 1 < v.shape[0]; ++b) {
+    lengths[size_t(b)] = v.data[b + 1] - v.data[b];
+    if (lengths[size_t(b)] < 0)
+      throw py::value_error(n + ": must not decrease, got " + std::to_string(v.data[b]) +
+                            " then " + std::to_string(v.data[b + 1]) + " at index " +
+                            std::to_string(b + 1));
+  }
+  if (v.data[v.shape[0] - 1] != rows)
+    throw py::value_error(n + ": must end at " + std::to_string(rows) + ", the " + rows_of +
+                          "'s rows, got " + std::to_string(v.data[v.shape[0] - 1]));
+  return lengths;
+}
+
+// A (total, H, D) view of packed rows seen as (B, H, max_len, D): batch b's
+// rows start at row cu[b] (batch_offsets, in elements, into `offsets`).
+template <typename X>
+StridedView<X, 4> packed_view(const StridedView<X, 3>& v, const std::vector<int64_t>& lengths,
+                              std::vector<int64_t>& offsets) {
+  StridedView<X, 4> p;
+  p.data = v.data;
+  p.shape[0] = int64_t(lengths.size());
+  p.shape[1] = v.shape[1];
+  p.shape[2] = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+  p.shape[3] = v.shape[2];
+  p.stride[0] = 1;  // not broadcast: each batch its own rows, through the offsets
+  p.stride[1] = v.stride[1], p.stride[2] = v.stride[0], p.stride[3] = v.stride[2];
+  offsets.assign(lengths.size(), 0);
+  for (size_t b = 1; b < lengths.size(); ++b)
+    offsets[b] = offsets[b - 1] + lengths[b - 1] * v.stride[0];
+  p.batch_offsets = offsets.data();
+  return p;
+}
+
+// Packed keys or values: of T, or float16/bfloat16 for a float32 call.
+template <typename T>
+StoredView<T> packed_stored_view(const py::array& a, const char* name,
+                                 const std::vector<int64_t>& lengths,
+                                 std::vector<int64_t>& offsets) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (const Storage half = half_storage(a); half != Storage::kNative) {
+      check_layout(a, name, 3, true, false, 2);
+      StridedView<const uint16_t, 3> bits;
+      bits.data = static_cast<const uint16_t*>(a.data());
+      for (int d = 0; d < 3; ++d) {
+        bits.shape[d] = a.shape(d);
+        bits.stride[d] = a.shape(d) > 1 ? a.strides(d) / 2 : 0;
+      }
+      StoredView<T> v;
+      v.storage = half;
+      v.bits = packed_view(bits, lengths, offsets);
+      return v;
+    }
+  }
+  return StoredView<T>::of(packed_view(const_view<T, 3>(a, name), lengths, offsets));
+}
+
+template <typename T>
+void run_varlen_typed(const py::array& query, const py::array& key, const py::array& value,
+                      const py::array& cu_seqlens_q, const py::array& cu_seqlens_k,
+                      const SdpaOptions& o, py::array& out) {
+  const StridedView<const T, 3> q = const_view<T, 3>(query, "query");
+  const std::vector<int64_t> q_lengths =
+      sequence_lengths(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "query");
+  if (key.ndim() != 3 || value.ndim() != 3)
+    throw py::value_error("key and value: expected (total_k, Hk, E) and (total_k, Hk, Ev), got " +
+                          shape_string(key) + " and " + shape_string(value));
+  const std::vector<int64_t> k_lengths =
+      sequence_lengths(cu_seqlens_k, "cu_seqlens_k", key.shape(0), "key");
+  if (k_lengths.size() != q_lengths.size())
+    throw py::value_error("cu_seqlens_q and cu_seqlens_k: " + std::to_string(q_lengths.size()) +
+                          " and " + std::to_string(k_lengths.size()) +
+                          " sequences; both must have batch + 1 offsets");
+  const int64_t Hq = q.shape[1], E = q.shape[2], Hk = key.shape(1);
+  if (key.shape(2) != E || value.shape(0) != key.shape(0) || value.shape(1) != Hk)
+    throw py::value_error("key " + shape_string(key) + " and value " + shape_string(value) +
+                          " must be (total_k, Hk, E) and (total_k, Hk, Ev) for query " +
+                          shape_string(query) + " (E = " + std::to_string(E) + ")");
+  if (Hq > 0 && (Hk == 0 || Hq % Hk != 0))
+    throw py::value_error("query heads (" + std::to_string(Hq) +
+                          ") must be a multiple of key heads (" + std::to_string(Hk) + ")");
+  std::vector<int64_t> q_offsets, k_offsets, v_offsets, out_offsets;
+  SdpaArgs<T> a;
+  a.query = packed_view(q, q_lengths, q_offsets);
+  a.key = packed_stored_view<T>(key, "key", k_lengths, k_offsets);
+  a.value = packed_stored_view<T>(value, "value", k_lengths, v_offsets);
+  const int64_t Ev = a.value.shape(3);
+  a.out = packed_view(mutable_view<T, 3>(out, "out"), q_lengths, out_offsets);
+  if (out.shape(0) != q.shape[0] || out.shape(1) != Hq || out.shape(2) != Ev)
+    throw py::value_error("out: expected (" + std::to_string(q.shape[0]) + ", " +
+                          std::to_string(Hq) + ", " + std::to_string(Ev) + "), got " +
+                          shape_string(out));
+  apply_options(o, a.key.shape(2), a);
+  a.range.query_lengths = q_lengths.data();
+  a.range.key_lengths = k_lengths.data();
+  a.range.packed = true;
+  py::gil_scoped_release release;
+  sdpa_forward(a);
+}
+
+void run_varlen(const py::array& query, const py::array& key, const py::array& value,
+                const py::array& cu_seqlens_q, const py::array& cu_seqlens_k,
+                const py::object& options, py::array& out) {
+  const SdpaOptions& o = options.cast<const SdpaOptions&>();
+  if (o.scores >= 0) throw py::value_error("varlen attention returns no scores");
+  if (is_dtype(query, py::dtype::of<float>()))
+    run_varlen_typed<float>(query, key, value, cu_seqlens_q, cu_seqlens_k, o, out);
+  else if (is_dtype(query, py::dtype::of<double>()))
+    run_varlen_typed<double>(query, key, value, cu_seqlens_q, cu_seqlens_k, o, out);
+  else
+    throw py::type_error("query: expected float32 or float64");
+}
+
 }  // namespace
 
 void register_sdpa_testing(py::module_& testing) {
@@ -383,6 +514,13 @@ void register_sdpa(py::module_& m) {
       "sequence, which attends keys j < key_lengths[b] (bottom-right causal with the options'\n"
       "window); rows t >= query_lengths[b] are zeros. int8 keys and values (float32 query)\n"
       "take their (B, Hk, S) float32 scales, one per row.");
+  m.def("varlen_attention", &run_varlen, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("options"), py::arg("out"),
+        "Attention of packed sequences: query (total_q, Hq, E), key (total_k, Hk, E) and value\n"
+        "(total_k, Hk, Ev), rows of the compute dtype (or float16/bfloat16 keys and values of a\n"
+        "float32 call); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of the queries\n"
+        "and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of the keys (int64), the options applied per\n"
+        "sequence, into out (total_q, Hq, Ev), C-contiguous.");
   m.def(
       "quantize_int8",
       [](const py::array& src, py::array& dst, py::array& scales) {

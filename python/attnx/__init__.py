@@ -17,6 +17,8 @@ KVCache
 cached_attention, multi_head_attention_step
     Attention of the newest tokens over a KVCache; one decoding step of
     multi-head self-attention.
+varlen_attention
+    Attention of sequences packed end to end (ragged batches, no padding).
 set_num_threads, get_num_threads, show_config
     Threads, the SIMD kernel in use, and how this attnx was built.
 reference
@@ -57,6 +59,7 @@ from .functional import (
     scaled_dot_product_attention,
 )
 from .modules import MultiheadAttention
+from .ragged import varlen_attention
 from .transformer import (
     Transformer,
     TransformerDecoder,
@@ -87,6 +90,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "set_num_threads",
     "show_config",
+    "varlen_attention",
 ]
 
 # Submodules imported on first use rather than with attnx (keeps `import attnx`

@@ -49,6 +49,15 @@ def cached_attention(
     key_scales: npt.NDArray[np.float32] | None = None,
     value_scales: npt.NDArray[np.float32] | None = None,
 ) -> None: ...
+def varlen_attention(
+    query: npt.NDArray[np.floating[Any]],
+    key: npt.NDArray[np.floating[Any]],
+    value: npt.NDArray[np.floating[Any]],
+    cu_seqlens_q: npt.NDArray[np.int64],
+    cu_seqlens_k: npt.NDArray[np.int64],
+    options: SdpaOptions,
+    out: npt.NDArray[np.floating[Any]],
+) -> None: ...
 def quantize_int8(
     src: npt.NDArray[np.floating[Any]], dst: npt.NDArray[np.int8], scales: npt.NDArray[np.float32]
 ) -> None: ...

@@ -57,6 +57,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "multi_head_attention_forward",
     "cached_attention",
+    "varlen_attention",
     "layer_norm",
     "transformer_encoder_layer",
     "transformer_decoder_layer",
@@ -853,6 +854,75 @@ def cached_attention(
 # ---------------------------------------------------------------------------------------------
 # Transformer layers
 # ---------------------------------------------------------------------------------------------
+
+
+
+def varlen_attention(
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike | None = None,
+    *,
+    is_causal: bool | Literal["top_left", "bottom_right"] = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    precision: Precision | None = None,
+) -> Any:
+    """Reference attention of packed sequences: :func:`scaled_dot_product_attention` on each.
+
+    Parameters
+    ----------
+    query : array_like, shape ``(total_q, Hq, E)``
+        Sequence ``b``'s queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``.
+    key : array_like, shape ``(total_k, Hk, E)``
+        ``Hq`` a multiple of ``Hk`` (grouped-query attention).
+    value : array_like, shape ``(total_k, Hk, Ev)``
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape ``(batch + 1,)``
+        Cumulative lengths from 0 to the row count; ``cu_seqlens_k`` defaults to ``cu_seqlens_q``.
+    is_causal, scale, window, softcap, precision
+        As in :func:`scaled_dot_product_attention`, applied to each sequence.
+
+    Returns
+    -------
+    ndarray, shape ``(total_q, Hq, Ev)``
+        In the compute dtype of ``query``; a sequence without keys gives zeros.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import reference
+    >>> q = k = v = np.arange(24.0).reshape(6, 1, 4) / 24   # sequences of 2 and 4 tokens
+    >>> out = reference.varlen_attention(q, k, v, [0, 2, 6], is_causal=True)
+    >>> bool(np.allclose(out[:2, 0], reference.scaled_dot_product_attention(q[:2, 0], k[:2, 0], v[:2, 0],
+    ...                                                                      is_causal=True)))
+    True
+    """
+    dtype = _compute_dtype(query)
+    precision_code(precision, dtype)
+    q = _as_float(query, dtype, "query")
+    k = _as_float(key, dtype, "key")
+    v = _as_float(value, dtype, "value")
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"query, key and value must be 3-D (total, H, E), got {q.shape}, {k.shape}, {v.shape}")
+    cu_q = np.asarray(cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is None else np.asarray(cu_seqlens_k)
+    if cu_q.shape != cu_k.shape or cu_q.ndim != 1 or cu_q[0] != 0 or cu_k[0] != 0:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be (batch + 1,) offsets from 0")
+    if cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0] or np.any(np.diff(cu_q) < 0) or np.any(np.diff(cu_k) < 0):
+        raise ValueError("cu_seqlens must not decrease and must end at the row counts")
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype)
+    for b in range(cu_q.size - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_q[b + 1] == cu_q[b]:
+            continue
+        heads = scaled_dot_product_attention(
+            q[rows].transpose(1, 0, 2), k[keys].transpose(1, 0, 2), v[keys].transpose(1, 0, 2),
+            is_causal=is_causal, scale=scale, enable_gqa=True, window=window, softcap=softcap,
+            precision=precision)
+        out[rows] = heads.transpose(1, 0, 2)
+    return out
 
 
 def layer_norm(

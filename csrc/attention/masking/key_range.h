@@ -20,6 +20,19 @@ int64_t query_length(const SdpaArgs<T>& a, int64_t b) {
   return a.range.query_lengths ? a.range.query_lengths[b] : a.query.shape[2];
 }
 
+// The query rows batch b has: all L, or, packed, its query length (the
+// rows past it are another sequence's).
+template <typename T>
+int64_t query_rows(const SdpaArgs<T>& a, int64_t b) {
+  return a.range.packed ? query_length(a, b) : a.query.shape[2];
+}
+
+// The key rows batch b has: all S, or, packed, its key length.
+template <typename T>
+int64_t key_rows(const SdpaArgs<T>& a, int64_t b) {
+  return a.range.packed ? key_length(a, b) : a.key.shape(2);
+}
+
 // The source keys [lo, hi) a row may attend, masks aside (see KeyRange).
 // hi <= the key length always; an empty band has lo == hi. Over the rows of
 // one batch both ends only move right, padding rows aside.
