@@ -420,10 +420,14 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
     """The canonical call of multi-head attention's forward pass.
 
     ``extras`` is None or ``(attn_mask, key_padding_mask, static_k, static_v)`` as given.
-    Returns ``(query, key, value, attn_mask, key_padding_mask, static_k, static_v, finish)``:
-    (N, L, dim) operands in the weights' dtype, (N, H, L, S) additive masks and
-    (N, H, S, head_dim) static keys and values or None, and ``finish(out, weights)``, which
-    gives the result from the core's (out, weights) (unbatched, in the result's dtype).
+    Returns ``(query, key, value, attn_mask, key_padding_mask, static_k, static_v, finish,
+    key_lengths)``: (N, L, dim) operands in the weights' dtype, (N, H, L, S) additive masks and
+    (N, H, S, head_dim) static keys and values or None, ``finish(out, weights)``, which gives
+    the result from the core's (out, weights) (unbatched, in the result's dtype), and int64 (N)
+    key lengths or None: a key padding mask that pads only the end of each batch entry's keys
+    is given as their lengths (the padded keys are then never read), where the results are the
+    same (no attn_mask, no weights returned, nothing appended to the keys, and every entry with
+    a key).
     """
     attn_mask, key_padding_mask, static_k, static_v = (None,) * 4 if extras is None else extras
     # The masks as arrays before their ranks are read: a tensor subclass or another object whose
@@ -458,6 +462,12 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
     H = weights.num_heads
     static_k, static_v, S_src = _mha_statics(static_k, static_v, dtype, N, H, E // H, S)
     am, kpm = _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src)
+    key_lengths = None
+    if (kpm is not None and am is None and not options.need_weights and not weights.bias_kv
+            and not weights.add_zero_attn):
+        key_lengths = _trailing_padding(key_padding_mask if batched else key_padding_mask[None])
+        if key_lengths is not None:
+            kpm = None
     result_dtype = weights.dtype
 
     def finish(out, attn_weights):
@@ -470,7 +480,25 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
         return out, attn_weights
 
     q, k, v = (kernel_layout(x) for x in (q, k, v))
-    return q, k, v, am, kpm, static_k, static_v, finish
+    return q, k, v, am, kpm, static_k, static_v, finish, key_lengths
+
+
+def _trailing_padding(mask) -> "np.ndarray | None":
+    """Each row's count of keys before its padding, int64 (N), where a checked (N, S) key padding
+    mask (bool True or float -inf: padding; float 0: a key) pads only the end of each row and
+    leaves each row a key; else None."""
+    if mask.dtype == np.bool_:
+        padded = mask
+    elif np.all((mask == 0) | (mask == -np.inf)):
+        padded = mask == -np.inf
+    else:
+        return None
+    lengths = np.count_nonzero(~padded, axis=1).astype(np.int64)
+    if lengths.size == 0 or lengths.min() < 1:
+        return None
+    if not np.array_equal(padded, np.arange(padded.shape[1])[None, :] >= lengths[:, None]):
+        return None
+    return lengths
 
 
 # ---------------------------------------------------------------------------------------------
