@@ -8,12 +8,14 @@ Usage (from a checkout, after ``pip install .``; the installed attnx is the one 
     python benchmarks/compare.py --sweep                # time against sequence length, same file
     python benchmarks/compare.py --threads 2 --shapes l1024 --out run.json
     python benchmarks/compare.py --shapes encoder-layer encoder-stack decoder-step
+    python benchmarks/compare.py --shapes varlen-b8-l128 varlen-causal-b8-l128 encoder-layer-ragged
     python benchmarks/compare.py --precision bfloat16 --shapes b8-l128 l1024 causal-l2048 d128-l2048 mha-e768
 
 Results go to ``benchmarks/results/DATE-MACHINE-COMMIT.json`` (see results_file.py): the
 ``compare`` section for the shapes, ``sweep`` for ``--sweep``, ``transformer`` for a run of the
-transformer layers only (so that it does not replace the shapes' section), and the same names
-suffixed ``-bfloat16`` for ``--precision bfloat16``. ``--out`` names another file.
+transformer layers only and ``ragged`` for a run of the ragged cases only (so that neither
+replaces the shapes' section), and the same names suffixed ``-bfloat16`` for ``--precision
+bfloat16``. ``--out`` names another file.
 
 ``--precision bfloat16`` compares bfloat16 inference: attnx with ``precision="bfloat16"``, torch
 on bfloat16 tensors and modules (``.to(torch.bfloat16)``), OpenVINO with its default inference
@@ -98,6 +100,35 @@ Transformer layers (``encoder-layer``, ``encoder-stack``, ``decoder-step``, name
   The step is memory-bound: its fraction is of the read bandwidth, over the bytes of those weights
   and both attentions' K/V.
 
+Ragged batches (``varlen-b8-l128``, ``varlen-causal-b8-l128``, ``encoder-layer-ragged``, named only)
+----------------------------------------------------------------------------------------------------
+Eight sequences of 128, 112, ..., 16 tokens (``L - i*L/B``), self-attention, H12 D64 (d768):
+
+* ``varlen-*``: attnx runs ``attnx.varlen_attention`` on the sequences packed along the first
+  axis (``(tokens, H, D)``, flash-attn's ``cu_seqlens``), causal per sequence where the shape
+  is. The peers run the equivalent padded ``(8, 12, 128, 64)`` batch with a key padding mask:
+  NumPy (``numpy_sdpa`` with an additive 0 / -inf mask), torch (``F.scaled_dot_product_attention``
+  with a bool mask, True = may attend, ``(B, 1, 1, S)``; for the causal shape the mask is the
+  combined ``(B, 1, L, S)`` one, since torch cannot combine ``is_causal`` with ``attn_mask``) and
+  "attnx-padded" (``attnx.scaled_dot_product_attention`` on the padded batch with the same bool
+  mask). ONNX Runtime and OpenVINO have no model here ("n/a"). The padded outputs are packed to
+  the real rows, and every output is compared with the float64 reference of each sequence alone.
+* ``encoder-layer-ragged``: the ``encoder-layer`` case (B8 L128 d768 h12 ff3072 gelu, post-norm,
+  batch_first) over these lengths. attnx runs its ``TransformerEncoderLayer`` with
+  ``src_key_padding_mask``; "torch" is ``nn.TransformerEncoder(layer, num_layers=1,
+  enable_nested_tensor=True)`` in ``eval()`` under ``inference_mode`` (torch's padding-free
+  nested-tensor path; when torch does not take it, which gives exactly 0 at the padded
+  positions, the peer is "unavailable" with the reason); ONNX Runtime and OpenVINO run the
+  exported layer as for ``encoder-layer``; "attnx-full" is attnx's same layer on the full batch
+  without a mask (the dense batch's time), checked against that batch's own reference. The
+  others are compared at the real positions only.
+* "attnx-padded" and "attnx-full" are attnx's own baselines: their columns show attnx's time
+  with the padding computed, and attnx's speed-up over them (``speedups``, the speed-up line) is
+  what skipping the padding gains; they never count as the best peer.
+* FLOPs count the real work only, the same figure for every library: varlen the sum over the
+  sequences of ``4*H*n^2*D`` (halved where causal); the ragged layer ``2*T*(4*E^2 + 2*E*ff) +
+  4*sum(n^2)*E`` over its T real tokens.
+
 Peers that are not installed are reported as "not installed", never as an error.
 """
 
@@ -116,7 +147,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -191,6 +222,11 @@ class Shape:
     # L - i * (L // 2B) tokens, so the shortest holds a little over half.
     padded: bool = False
     memory: int = 0
+    # The ragged-batch cases: sequence i holds L - i * (L // B) tokens (128, 112, ..., 16 for
+    # B8 L128). "varlen" packs them end to end (attnx.varlen_attention) against the padded batch
+    # and its mask; a ragged encoder layer is `padded` with these lengths. FLOPs count the real
+    # tokens only.
+    ragged: bool = False
 
     @property
     def E(self) -> int:
@@ -200,7 +236,12 @@ class Shape:
     def label(self) -> str:
         if self.kind == "mha":
             return f"MHA B{self.B} L{self.L} E{self.E} H{self.H}"
+        if self.kind == "varlen":
+            tag = " causal" if self.causal else ""
+            return f"varlen{tag} B{self.B} H{self.H} L{self.L}..{min(padding_lengths(self))} D{self.D}"
         width = f"d{self.E} h{self.H} ff{self.ff} {self.activation}"
+        if self.kind == "encoder-layer" and self.ragged:
+            return f"EncoderLayer B{self.B} L{self.L}..{min(padding_lengths(self))} {width} ragged"
         if self.kind == "encoder-layer":
             return f"EncoderLayer B{self.B} L{self.L} {width}" + (" padded" if self.padded else "")
         if self.kind == "encoder-stack":
@@ -214,6 +255,17 @@ class Shape:
     @property
     def flops(self) -> float:
         E, ff = self.E, self.ff
+        if self.ragged:
+            # The real tokens' work only: per sequence of n tokens, the attention's two matmuls
+            # (4*H*n^2*D, halved where causal) and, for the encoder layer, its projections and
+            # feed-forward matmuls per token.
+            lengths = padding_lengths(self)
+            attention = 4.0 * self.H * self.D * sum(n * n for n in lengths)
+            if self.causal:
+                attention /= 2
+            if self.kind == "varlen":
+                return attention
+            return self.layers * (2.0 * sum(lengths) * (4 * E**2 + 2 * E * ff) + attention)
         if self.kind in ("encoder-layer", "encoder-stack"):
             # Four E x E projections and the two feed-forward matmuls per token, and the two
             # attention matmuls; padded tokens are counted as computed.
@@ -244,6 +296,8 @@ class Shape:
             weights = 6 * E**2 + 2 * E * ff
             keys_values = 2 * self.B * (self.S + self.L + self.memory) * E
             return 4.0 * self.layers * (weights + keys_values)
+        if self.kind == "varlen":
+            return 2.0 * sum(padding_lengths(self)) * self.H * self.D * 4  # the real rows only
         return 2.0 * self.B * self.H * self.S * self.D * 4
 
     @property
@@ -296,6 +350,20 @@ LAYER_SHAPES = (
           activation="gelu"),
     Shape("decoder-step-tiny", "decoder-step", B=2, H=2, L=1, S=8, D=8, ff=32, layers=2, memory=4,
           memory_bound=True),
+    # The encoder layer over lengths 128, 112, ..., 16 (see RAGGED_SHAPES).
+    Shape("encoder-layer-ragged", "encoder-layer", B=8, H=12, L=128, S=128, D=64, ff=3072, activation="gelu",
+          padded=True, ragged=True),
+    Shape("encoder-layer-ragged-tiny", "encoder-layer", B=4, H=2, L=16, S=16, D=8, ff=32, activation="gelu",
+          padded=True, ragged=True),
+)
+# Ragged batches, run only when named: 8 self-attention sequences of 128, 112, ..., 16 tokens,
+# packed end to end for attnx.varlen_attention, padded to (8, 12, 128, 64) with a key padding
+# mask for the peers and for "attnx-padded" (attnx's sdpa on the padded batch); the ragged
+# encoder layers (LAYER_SHAPES) are their layer-level counterpart.
+RAGGED_SHAPES = (
+    Shape("varlen-b8-l128", "varlen", B=8, H=12, L=128, S=128, D=64, ragged=True),
+    Shape("varlen-causal-b8-l128", "varlen", B=8, H=12, L=128, S=128, D=64, causal=True, ragged=True),
+    Shape("varlen-tiny", "varlen", B=4, H=2, L=16, S=16, D=8, causal=True, ragged=True),
 )
 
 
@@ -316,24 +384,42 @@ def select_shapes(selectors: list[str] | None) -> list[Shape]:
         if sel.isdigit() and 1 <= int(sel) <= len(SHAPES):
             chosen.append(SHAPES[int(sel) - 1])
             continue
-        matches = [s for s in SHAPES + EXTRA_SHAPES + LAYER_SHAPES if s.name == sel]
+        matches = [s for s in SHAPES + EXTRA_SHAPES + LAYER_SHAPES + RAGGED_SHAPES if s.name == sel]
         if not matches:
             names = ", ".join([f"{i}={s.name}" for i, s in enumerate(SHAPES, 1)] +
-                              [s.name for s in EXTRA_SHAPES + LAYER_SHAPES])
+                              [s.name for s in EXTRA_SHAPES + LAYER_SHAPES + RAGGED_SHAPES])
             raise SystemExit(f"unknown shape {sel!r}; choose from {names}")
         chosen.extend(matches)
     return chosen
 
 
 def padding_lengths(shape: Shape) -> list[int]:
-    """Tokens of each sequence of a padded shape: L - i * (L // 2B) (128 - 8*i for B8 L128)."""
-    step = max(1, shape.L // (2 * shape.B))
+    """Tokens of each sequence of a padded shape: L - i * (L // 2B) (128 - 8*i for B8 L128);
+    of a ragged one L - i * (L // B) (128 - 16*i)."""
+    step = max(1, shape.L // (shape.B if shape.ragged else 2 * shape.B))
     return [max(1, shape.L - i * step) for i in range(shape.B)]
 
 
 def key_padding_mask(shape: Shape) -> np.ndarray:
     """(B, L) bool, True at the padded positions (torch's convention)."""
     return np.arange(shape.L)[None, :] >= np.array(padding_lengths(shape))[:, None]
+
+
+def pack_rows(shape: Shape, a: np.ndarray) -> np.ndarray:
+    """A padded (B, H, L, D) batch of a varlen case as its packed rows (tokens, H, D): sequence
+    b's first padding_lengths[b] positions, one sequence after another."""
+    a = np.asarray(a)
+    return np.concatenate([a[b, :, :n].transpose(1, 0, 2) for b, n in enumerate(padding_lengths(shape))])
+
+
+def varlen_allowed_mask(shape: Shape) -> np.ndarray:
+    """The padded batch's bool attention mask, True where a query may attend a key (sdpa's
+    convention): (B, 1, 1, S) over the real keys; (B, 1, L, S) with the causal lower triangle
+    too (torch's sdpa cannot combine is_causal with a mask)."""
+    allowed = ~key_padding_mask(shape)[:, None, None, :]
+    if shape.causal:
+        allowed = allowed & np.tri(shape.L, shape.S, dtype=bool)
+    return allowed
 
 
 def layer_state(shape: Shape, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -376,10 +462,11 @@ def layer_state(shape: Shape, rng: np.random.Generator) -> dict[str, np.ndarray]
 
 
 def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
-    """float32 inputs: q, k, v (B, H, L|S, D) for sdpa; x (B, L, E) and weights for mha; for the
-    transformer kinds the parameters ("state", torch's state_dict keys) and x (B, L, E) with
-    "key_padding_mask" when padded (encoders), or tgt (B, S + L, E), the S cached tokens then the
-    L new ones, and memory (B, M, E) (decoder-step)."""
+    """float32 inputs: q, k, v (B, H, L|S, D) for sdpa; for varlen the same padded q, k, v, their
+    packed rows q_packed, k_packed, v_packed (tokens, H, D), cu_seqlens and key_padding_mask;
+    x (B, L, E) and weights for mha; for the transformer kinds the parameters ("state", torch's
+    state_dict keys) and x (B, L, E) with "key_padding_mask" when padded (encoders), or tgt
+    (B, S + L, E), the S cached tokens then the L new ones, and memory (B, M, E) (decoder-step)."""
     rng = np.random.default_rng(seed)
 
     def randn(*dims):
@@ -401,6 +488,13 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
             "k": randn(shape.B, shape.H, shape.S, shape.D),
             "v": randn(shape.B, shape.H, shape.S, shape.D),
         }
+    if shape.kind == "varlen":
+        data = {name: randn(shape.B, shape.H, shape.L, shape.D) for name in ("q", "k", "v")}
+        for name in ("q", "k", "v"):
+            data[name + "_packed"] = pack_rows(shape, data[name])
+        data["cu_seqlens"] = np.concatenate([[0], np.cumsum(padding_lengths(shape))]).astype(np.int32)
+        data["key_padding_mask"] = key_padding_mask(shape)
+        return data
     E = shape.E
     bound_in = math.sqrt(6.0 / (E + 3 * E))  # xavier_uniform_ on (3E, E), as torch
     bound_out = 1.0 / math.sqrt(E)
@@ -503,6 +597,14 @@ def reference_output(shape: Shape, data: dict[str, Any], softcap: float | None =
     """The float64 NumPy result every library is checked against (the soft cap: sdpa only)."""
     if shape.kind in LAYER_KINDS:
         return reference_layer_output(shape, data)
+    if shape.kind == "varlen":
+        # Each sequence alone, no padding and no mask (but the causal one): the packed rows.
+        rows = []
+        for b, n in enumerate(padding_lengths(shape)):
+            q, k, v = (data[name][b, :, :n].astype(np.float64) for name in ("q", "k", "v"))
+            mask = causal_additive_mask(n, n, np.float64) if shape.causal else None
+            rows.append(numpy_sdpa(q, k, v, mask).transpose(1, 0, 2))
+        return np.concatenate(rows)
     d64 = {name: a.astype(np.float64) for name, a in data.items()}
     mask = causal_additive_mask(shape.L, shape.S, np.float64) if shape.causal else None
     if shape.kind == "sdpa":
@@ -522,13 +624,16 @@ class Bench:
     and is not timed. `reset`, when given, runs untimed before every call: a decoding step puts
     its cache back to the length it had before the step. `exported`: the call runs a model
     exported from torch, and an output that disagrees with the reference makes the peer
-    unavailable (the export's fault) rather than wrong."""
+    unavailable (the export's fault) rather than wrong. `reference`, when given, is the float64
+    result this call is checked against instead of the case's: "attnx-full" computes the batch
+    without its mask."""
 
     run: Callable[[], Any]
     to_numpy: Callable[[Any], np.ndarray] = np.asarray
     note: str = ""
     reset: Callable[[], None] | None = None
     exported: bool = False
+    reference: np.ndarray | None = None
 
 
 class NotInstalled(Exception):
@@ -579,6 +684,11 @@ def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None,
     import attnx
 
     attnx.set_num_threads(threads)
+    if shape.kind == "varlen":
+        q, k, v, cu = data["q_packed"], data["k_packed"], data["v_packed"], data["cu_seqlens"]
+        extra = attnx_precision(precision)
+        return Bench(lambda: attnx.varlen_attention(q, k, v, cu, is_causal=shape.causal, **extra),
+                     note=f"attnx.varlen_attention on the packed rows, {attnx_kernel_note(precision)}")
     if shape.kind == "sdpa":
         q, k, v = data["q"], data["k"], data["v"]
         extra = {} if softcap is None else {"softcap": softcap}
@@ -614,11 +724,55 @@ def setup_attnx(shape: Shape, data, threads: int, softcap: float | None = None,
     )
 
 
+def setup_attnx_padded(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
+    """"attnx-padded", a varlen case's baseline: attnx's sdpa on the padded batch with the bool
+    mask of the real keys (and the causal triangle), its output packed to the real rows."""
+    import attnx
+
+    attnx.set_num_threads(threads)
+    q, k, v = data["q"], data["k"], data["v"]
+    mask = varlen_allowed_mask(shape)
+    extra = attnx_precision(precision)
+    return Bench(lambda: attnx.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra),
+                 lambda out: pack_rows(shape, out),
+                 note=f"attnx.scaled_dot_product_attention on the padded batch, bool attn_mask "
+                      f"{tuple(mask.shape)}, {attnx_kernel_note(precision)}")
+
+
+def setup_attnx_full(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
+    """"attnx-full", a ragged encoder layer's baseline: attnx's same layer on the full batch
+    without a mask (every position real), checked against the float64 result of that batch."""
+    dense = replace(shape, padded=False, ragged=False)
+    unmasked = {name: a for name, a in data.items() if name != "key_padding_mask"}
+    bench = setup_attnx_layer(dense, unmasked, threads, precision)
+    bench.reference = reference_layer_output(dense, unmasked)
+    bench.note += ", the full batch without a mask (checked against that batch's reference)"
+    return bench
+
+
+def setup_attnx_with_baselines(shape: Shape, data, threads: int,
+                               precision: str = "float32") -> Bench | dict[str, Bench]:
+    """ADAPTERS' attnx: setup_attnx's call and, for the ragged cases, attnx's own baseline beside
+    it ("attnx-padded" for varlen, "attnx-full" for the ragged encoder layer): the speed-up over
+    it is what skipping the padding gains. A baseline is never the "best peer"."""
+    bench = setup_attnx(shape, data, threads, precision=precision)
+    if shape.kind == "varlen":
+        return {"attnx": bench, "attnx-padded": setup_attnx_padded(shape, data, threads, precision)}
+    if shape.ragged:
+        return {"attnx": bench, "attnx-full": setup_attnx_full(shape, data, threads, precision)}
+    return bench
+
+
 def setup_numpy(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
     if shape.kind in LAYER_KINDS:
         raise NotApplicable("no NumPy transformer peer")
     if precision != "float32":
         raise NotApplicable("NumPy has no bfloat16 products")
+    if shape.kind == "varlen":
+        q, k, v = data["q"], data["k"], data["v"]
+        additive = np.where(varlen_allowed_mask(shape), np.float32(0), np.float32(-np.inf))
+        return Bench(lambda: numpy_sdpa(q, k, v, additive), lambda out: pack_rows(shape, out),
+                     note="the padded batch, additive mask")
     mask = causal_additive_mask(shape.L, shape.S, np.float32) if shape.causal else None
     if shape.kind == "sdpa":
         q, k, v = data["q"], data["k"], data["v"]
@@ -644,6 +798,18 @@ def setup_torch(shape: Shape, data, threads: int, precision: str = "float32") ->
     torch.set_num_threads(threads)
     dtype = torch_dtype(torch, precision)
     to_numpy = lambda t: t.float().numpy()  # noqa: E731
+    if shape.kind == "varlen":
+        q, k, v = (torch.from_numpy(data[n]).to(dtype) for n in ("q", "k", "v"))
+        allowed = torch.from_numpy(varlen_allowed_mask(shape))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def run_padded():
+            with torch.inference_mode():
+                return sdpa(q, k, v, attn_mask=allowed)
+
+        return Bench(run_padded, lambda t: pack_rows(shape, t.float().numpy()),
+                     note=f"F.scaled_dot_product_attention on the padded batch, bool attn_mask "
+                          f"{tuple(allowed.shape)}, inference_mode, {torch_note(torch, precision)}")
     if shape.kind == "sdpa":
         q, k, v = (torch.from_numpy(data[n]).to(dtype) for n in ("q", "k", "v"))
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -768,6 +934,8 @@ def _ort_options(ort, threads: int):
 
 
 def setup_onnxruntime(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
+    if shape.kind == "varlen":
+        raise NotApplicable("no packed or masked-padding attention model here")
     if precision != "float32":
         raise NotApplicable("ONNX Runtime's CPU provider runs these models in float32")
     if shape.kind in LAYER_KINDS:
@@ -853,6 +1021,8 @@ def _openvino_note(compiled, what: str) -> str:
 def setup_openvino(shape: Shape, data, threads: int, precision: str = "float32") -> Bench:
     if shape.kind in LAYER_KINDS:
         return setup_openvino_layer(shape, data, threads, precision)
+    if shape.kind == "varlen":
+        raise NotApplicable("no packed or masked-padding attention model here")
     ov = import_optional("openvino")
     ops = _openvino_ops()
     compiled = ov.Core().compile_model(_openvino_model(shape, data, ops, ov), "CPU",
@@ -1008,6 +1178,36 @@ class TorchCachedDecoder:
         return x
 
 
+def torch_nested_encoder(torch, layer, x, mask, view, precision: str) -> Bench:
+    """A ragged encoder layer's torch peer: nn.TransformerEncoder(layer, num_layers=1,
+    enable_nested_tensor=True) in eval() under inference_mode, which packs the real tokens into a
+    nested tensor and skips the padding. torch falls back to the padded batch with a warning at
+    construction (norm_first, an odd head count, ...) or silently at the call (training mode, a
+    mask that is not left-aligned, ...); the nested path alone gives exactly 0 at the padded
+    positions, so a call that does not is reported as unavailable."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        encoder = torch.nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=True).eval()
+    if not encoder.use_nested_tensor:
+        reasons = "; ".join(str(w.message) for w in caught) or "use_nested_tensor is False"
+        raise Unavailable(f"torch's nested-tensor path is off: {reasons}")
+
+    def run_nested():
+        with torch.inference_mode():
+            return encoder(x, src_key_padding_mask=mask)
+
+    with warnings.catch_warnings():  # torch's once-per-process note that nested tensors are a prototype
+        warnings.filterwarnings("ignore", message=".*nested tensors is in prototype")
+        padded = run_nested()[mask]
+    if padded.numel() and bool(padded.abs().max() != 0):
+        raise Unavailable("torch did not take its nested-tensor path (the padded positions' outputs are not 0)")
+    return Bench(run_nested, lambda t: view(t.float().numpy()),
+                 note=f"nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=True) eval(), inference_mode "
+                      f"(nested-tensor path: padded outputs 0), {torch_note(torch, precision)}")
+
+
 def setup_torch_layer(shape: Shape, data, threads: int, precision: str = "float32") -> Bench | dict[str, Bench]:
     """torch's own modules under inference_mode (the encoder layer and stack take torch's fused
     fast path there). The decoder step has two peers: "torch-recompute", the decoder's forward
@@ -1025,6 +1225,8 @@ def setup_torch_layer(shape: Shape, data, threads: int, precision: str = "float3
         x = torch.from_numpy(data["x"]).to(dtype)
         mask = torch.from_numpy(data["key_padding_mask"]) if shape.padded else None
         kwargs = {} if mask is None else {"src_key_padding_mask": mask}
+        if shape.ragged:
+            return torch_nested_encoder(torch, module, x, mask, view, precision)
 
         def run_encoder():
             with torch.inference_mode():
@@ -1160,10 +1362,11 @@ def setup_openvino_layer(shape: Shape, data, threads: int, precision: str = "flo
                  note=_openvino_note(compiled, "the exported ONNX model read by OpenVINO"))
 
 
-# An adapter returns one Bench, or several by name (torch's two decoder-step peers).
+# An adapter returns one Bench, or several by name (torch's two decoder-step peers, attnx's
+# ragged cases with their baseline).
 # Each takes (shape, data, threads, precision=...).
 ADAPTERS: dict[str, Callable[..., Bench | dict[str, Bench]]] = {
-    "attnx": setup_attnx,
+    "attnx": setup_attnx_with_baselines,
     "numpy": setup_numpy,
     "torch": setup_torch,
     "onnxruntime": setup_onnxruntime,
@@ -1375,8 +1578,9 @@ def bench_shape(shape: Shape, libs: list[str], threads: int, opts, progress: Pro
             status[lib] = {"status": "error", "note": f"{type(exc).__name__}: {exc}"}
             continue
         for name, bench in (made.items() if isinstance(made, dict) else [(lib, made)]):
+            want = reference if bench.reference is None else bench.reference
             try:
-                check = check_output(bench.to_numpy(call_once(bench)), reference, opts.precision)
+                check = check_output(bench.to_numpy(call_once(bench)), want, opts.precision)
             except Exception as exc:
                 if name == "attnx":
                     raise
@@ -1402,6 +1606,8 @@ def bench_shape(shape: Shape, libs: list[str], threads: int, opts, progress: Pro
     if shape.kind in LAYER_KINDS:
         described.update(ff=shape.ff, layers=shape.layers, activation=shape.activation, padded=shape.padded,
                          memory=shape.memory)
+    if shape.ragged:
+        described.update(ragged=True, lengths=padding_lengths(shape))
     return {
         "shape": described,
         "flops": shape.flops,
@@ -1413,11 +1619,14 @@ def bench_shape(shape: Shape, libs: list[str], threads: int, opts, progress: Pro
 
 
 def add_comparisons(result: dict, peaks: dict) -> None:
-    """Best peer, speed-up and attnx's fraction of the machine's peak."""
+    """Best peer, speed-up and attnx's fraction of the machine's peak. attnx's own baselines of
+    the ragged cases ("attnx-padded", "attnx-full") have their speed-up in `speedups` but are
+    never the best peer."""
     libs = result["libs"]
     attnx_ms = libs["attnx"]["median_ms"]
     valid = {n: s["median_ms"] for n, s in libs.items() if n != "attnx" and s.get("ok") and "median_ms" in s}
-    best = min(valid, key=valid.get) if valid else None
+    peers = [n for n in valid if n not in PEER_VARIANTS["attnx"]]
+    best = min(peers, key=valid.get) if peers else None
     result["best_peer"] = best
     result["speedup"] = valid[best] / attnx_ms if best else None
     # attnx's speed-up over every correct peer: pooled medians, and per round.
@@ -1570,8 +1779,9 @@ def fmt_ms(entry: dict) -> str:
     return text if entry.get("ok") else f"{text} (wrong!)"
 
 
-# Peers that one library provides several of, by name: a column each, shown when a run has them.
-PEER_VARIANTS = {"torch": ("torch-recompute", "torch-cached")}
+# Peers that one library provides several of, by name: a column each, shown when a run has them
+# (attnx's: its baselines of the ragged cases).
+PEER_VARIANTS = {"attnx": ("attnx-padded", "attnx-full"), "torch": ("torch-recompute", "torch-cached")}
 
 
 def table_columns(run: dict) -> list[str]:
@@ -1619,11 +1829,12 @@ def accuracy_table(run: dict) -> str:
 
 
 def peer_speedup_lines(run: dict) -> list[str]:
-    """For each transformer case of `run`: attnx's speed-up over every correct peer, pooled and
-    per round (the decoder step has two torch peers, each its own ratio)."""
+    """For each transformer and ragged case of `run`: attnx's speed-up over every correct peer,
+    pooled and per round (the decoder step has two torch peers, each its own ratio; the ragged
+    cases attnx's baseline)."""
     lines = []
     for r in run["results"]:
-        if r["shape"]["kind"] in LAYER_KINDS and r.get("speedups"):
+        if (r["shape"]["kind"] in LAYER_KINDS or r["shape"].get("ragged")) and r.get("speedups"):
             each = ", ".join(f"{peer} {x['speedup']:.2f}x (per round {x['per_round']:.2f}x)"
                              for peer, x in r["speedups"].items())
             lines.append(f"{r['shape']['name']}: attnx's speed-up over each peer: {each}")
@@ -1645,8 +1856,13 @@ def print_report(report: dict) -> None:
           "rounds of the same ratio of block medians.")
     kinds = {r["shape"]["kind"] for run in report["runs"] for r in run.get("results", [])}
     if kinds & {"encoder-layer", "encoder-stack"}:
-        print("FLOPs of an encoder layer: 2*B*L*(4*E^2 + 2*E*ff) + 4*B*L^2*E (padding counted as computed), "
-              "times the layers.")
+        print("FLOPs of an encoder layer: 2*B*L*(4*E^2 + 2*E*ff) + 4*B*L^2*E (padding counted as computed, "
+              "but for the ragged layers below), times the layers.")
+    if any(r["shape"].get("ragged") for run in report["runs"] for r in run.get("results", [])):
+        print("Ragged cases: FLOPs of the real tokens only, the same for every library: varlen "
+              "sum over sequences of 4*H*n^2*D (causal: half); a ragged encoder layer 2*T*(4*E^2 + 2*E*ff) + "
+              "4*sum(n^2)*E over its T real tokens. attnx-padded / attnx-full are attnx's own baselines "
+              "(the padded batch with its mask / the full batch without one), not counted as best peer.")
     if "decoder-step" in kinds:
         print("FLOPs of a decoder step of T new tokens over S cached, memory M: per layer "
               "2*B*T*(6*E^2 + 2*E*ff) + 4*B*T*(S + T + M)*E (the memory's keys and values are projected once "
@@ -1706,7 +1922,8 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", help="shapes by number (1-7) or name: "
                    + ", ".join(f"{i}={s.name}" for i, s in enumerate(SHAPES, 1))
                    + "; named only: " + ", ".join(s.name for s in EXTRA_SHAPES)
-                   + "; transformer layers (named only): " + ", ".join(s.name for s in LAYER_SHAPES))
+                   + "; transformer layers (named only): " + ", ".join(s.name for s in LAYER_SHAPES)
+                   + "; ragged batches (named only): " + ", ".join(s.name for s in RAGGED_SHAPES))
     p.add_argument("--libs", nargs="+", default=list(LIBRARIES), choices=LIBRARIES,
                    help="libraries to run (attnx is always run)")
     p.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
@@ -1721,7 +1938,8 @@ def parse_args(argv=None):
                    help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
                         "saved only when this is given)")
     p.add_argument("--section", help="key of the results file to write (default: compare; sweep with --sweep; "
-                                     "transformer when every shape is a transformer layer)")
+                                     "ragged when every shape is a ragged case; transformer when every shape "
+                                     "is a transformer layer)")
     p.add_argument("--no-save", action="store_true", help="print the report only")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--sweep", action="store_true",
@@ -1746,12 +1964,15 @@ def parse_args(argv=None):
 
 
 def default_section(opts) -> str:
-    """The results file's section a run writes: "sweep" for --sweep, "transformer" when every
-    shape is a transformer layer (the layers' own section: a run of them alone must not replace
-    the shapes'), else "compare"; suffixed "-bfloat16" for --precision bfloat16."""
+    """The results file's section a run writes: "sweep" for --sweep, "ragged" when every shape
+    is a ragged case, "transformer" when every shape is a transformer layer (their own sections:
+    a run of them alone must not replace the shapes'), else "compare"; suffixed "-bfloat16" for
+    --precision bfloat16."""
     suffix = "" if opts.precision == "float32" else f"-{opts.precision}"
     if opts.sweep:
         return "sweep" + suffix
+    if opts.shapes and all(s.ragged for s in select_shapes(opts.shapes)):
+        return "ragged" + suffix
     if opts.shapes and all(s.kind in LAYER_KINDS for s in select_shapes(opts.shapes)):
         return "transformer" + suffix
     return "compare" + suffix

@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     m = data.get("machine", {})
     print(f"{m.get('cpu_model')} ({m.get('isa')}, {m.get('cores')} cores, kernel {m.get('kernel')}); "
           f"build {data.get('commit')}: {data.get('build')}")
-    for key in ("compare", "transformer", "compare-bfloat16", "transformer-bfloat16", "scaling_quick"):
+    for key in ("compare", "transformer", "ragged", "compare-bfloat16", "transformer-bfloat16", "ragged-bfloat16",
+                "scaling_quick"):
         if key not in data:
             continue
         v = data[key]["versions"]

@@ -3,8 +3,8 @@ follow their naming scheme.
 
 The commands run with ``--help`` appended (argparse checks the options before it, then exits);
 the peers are never imported by ``--help``. plot.py and report.py run for real on a results file
-made here, and compare.py runs for real on the transformer layers' tiny cases (a few seconds of
-timing, the peers' imports and the machine's peaks: marked slow).
+made here, and compare.py runs for real on the transformer layers' and the ragged batches' tiny
+cases (a few seconds of timing, the peers' imports and the machine's peaks: marked slow).
 """
 
 from __future__ import annotations
@@ -182,3 +182,52 @@ def test_compare_runs_transformer_layers(tmp_path):
         assert {step["libs"]["torch-recompute"]["status"], step["libs"]["torch-cached"]["status"]} == {"ok"}
         assert by_name["encoder-layer-tiny"]["libs"]["torch"]["status"] == "ok"
         assert "torch-recompute ms" in proc.stdout and "torch-cached ms" in proc.stdout
+
+
+RAGGED_SMOKE_SHAPES = ["varlen-tiny", "encoder-layer-ragged-tiny"]
+
+
+@pytest.mark.slow
+def test_compare_runs_ragged_batches(tmp_path):
+    """compare.py end to end on the ragged batches' tiny cases: attnx's packed varlen_attention
+    and its padded encoder layer checked at the real positions, each library's status one that
+    says why it did not run, and attnx's speed-up over its own padded ("attnx-padded") and dense
+    ("attnx-full") baselines reported in the results file and the printed report."""
+    import attnx
+
+    if not hasattr(attnx, "varlen_attention") or not hasattr(attnx, "TransformerEncoderLayer"):
+        pytest.skip("this build of attnx has no varlen_attention or transformer modules")
+    out = tmp_path / "run.json"
+    proc = run(["benchmarks/compare.py", "--quick", "--threads", "1", "--rounds", "2", "--block-seconds", "0.01",
+                "--pause-ms", "1", "--peak-gflops", "100", "--no-progress", "--shapes", *RAGGED_SMOKE_SHAPES,
+                "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    data = json.loads(out.read_text("utf-8"))
+    assert "compare" not in data and "transformer" not in data  # the ragged cases have their own section
+    (result,) = data["ragged"]["runs"]
+    by_name = {r["shape"]["name"]: r for r in result["results"]}
+    assert list(by_name) == RAGGED_SMOKE_SHAPES
+    baselines = {"varlen-tiny": "attnx-padded", "encoder-layer-ragged-tiny": "attnx-full"}
+    for name, r in by_name.items():
+        libs = r["libs"]
+        assert r["shape"]["ragged"] and len(r["shape"]["lengths"]) == r["shape"]["B"], r["shape"]
+        assert libs["attnx"]["status"] == "ok" and libs["attnx"]["ok"], (name, libs["attnx"])
+        for peer, entry in libs.items():
+            assert entry["status"] in ("ok", "not installed", "unavailable", "n/a"), (name, peer, entry)
+            if entry["status"] == "ok":
+                assert entry["ok"] and entry["median_ms"] > 0 and entry["calls"] >= 2, (name, peer, entry)
+        baseline = baselines[name]
+        assert libs[baseline]["status"] == "ok", (name, libs[baseline])
+        assert r["speedups"][baseline]["speedup"] > 0 and r["speedups"][baseline]["per_round"] > 0, r["speedups"]
+        assert r["best_peer"] != baseline  # a baseline is never the best peer
+        assert f"{name}: attnx's speed-up over each peer: " in proc.stdout and f"{baseline} " in proc.stdout
+        # The real work only: fewer FLOPs than the padded batch's.
+        s = r["shape"]
+        padded = 4.0 * s["B"] * s["H"] * s["L"] * s["S"] * s["D"] / (2 if s["causal"] else 1)
+        assert 0 < r["flops"] and (name != "varlen-tiny" or r["flops"] < padded), (name, r["flops"])
+    assert {by_name["varlen-tiny"]["libs"][n]["status"] for n in ("onnxruntime", "openvino")} <= {
+        "n/a", "not installed"}
+    if importlib.util.find_spec("torch") is not None:
+        assert by_name["varlen-tiny"]["libs"]["torch"]["status"] == "ok"
+        torch_layer = by_name["encoder-layer-ragged-tiny"]["libs"]["torch"]
+        assert torch_layer["status"] == "ok" and "enable_nested_tensor=True" in torch_layer["note"], torch_layer

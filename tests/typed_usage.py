@@ -27,6 +27,10 @@ def attend() -> npt.NDArray[np.floating[Any]]:
     assert out.shape == top_left.shape == causal.shape and masked.shape == (1, 2)
     expected = reference.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", window=(3, None))
     assert np.allclose(out, expected, atol=1e-5)
+    packed = rng.standard_normal((9, 4, 16), dtype=np.float32)  # sequences of 4 and 5 tokens
+    ragged = attnx.varlen_attention(packed, packed[:, :2], packed[:, :2], [0, 4, 9], is_causal="bottom_right",
+                                    window=(2, 0), precision="bfloat16")
+    assert ragged.shape == (9, 4, 16)
     return out
 
 
