@@ -7,6 +7,10 @@
 //   A = sdpa(Q, K, V, masks over the S_src keys, scale 1/sqrt(hd)) per head
 //   out = A . w_out^T + b_out                        (heads concatenated)
 //   weights: per head (N, H, L, S'), or their mean over heads
+//
+// Packed sequences (query_rows, key_rows): the projections run over all the
+// rows at once, and sdpa sees the sequences through batch offsets into the
+// projections (KeyRange::packed, each sequence's query and key lengths).
 #include <algorithm>
 #include <cmath>
 #include <vector>
