@@ -470,3 +470,50 @@ def test_mha_padding_in_the_middle_keeps_the_mask(torch, rng):
     got = mha(q, q, q, key_padding_mask=pad, need_weights=False)[0]
     want = run_torch(torch, lambda *a, **kw: tm(*a, **kw, need_weights=False)[0], q, q, q, key_padding_mask=pad)
     np.testing.assert_allclose(got, want, **TOL[np.float32])
+
+
+# ---------------------------------------------------------------------------------------------
+# The binding's packed rows
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_binding_checks_packed_rows():
+    from attnx import _core
+
+    enc = attnx.TransformerEncoderLayer(8, 2, 16, 0.0, batch_first=True, seed=0).eval()
+    dec = attnx.TransformerDecoderLayer(8, 2, 16, 0.0, batch_first=True, seed=0).eval()
+    w, wd = _layers.layer_weights(enc), _layers.layer_weights(dec)
+    options = _core.TransformerLayerOptions(True, False, False, 0)
+    rows = np.ones((5, 8), np.float32)
+    for lengths, match in [((np.array([2, 2]), None), "sum to 4"), ((np.array([2, 4]), None), "sum to the rows"),
+                           ((np.array([-1, 6]), None), ">= 0"), ((np.array([[5]]), None), "1-D"),
+                           ((np.array([5]),), "expected")]:
+        with pytest.raises(ValueError, match=match):
+            _core.transformer_layer(w, rows, None, None, None, options, lengths)
+    with pytest.raises(ValueError, match="no masks"):
+        _core.transformer_layer(w, rows, None, (None, None), None, options, (np.array([5]), None))
+    with pytest.raises(ValueError, match="cross_causal"):
+        _core.transformer_layer(wd, rows, np.ones((2, 3, 8), np.float32), None, None,
+                                _core.TransformerLayerOptions(True, False, True, 0), (np.array([5, 0]), None))
+    with pytest.raises(ValueError, match="memory lengths"):
+        _core.transformer_layer(wd, rows, np.ones((4, 8), np.float32), None, None, options,
+                                (np.array([5, 0]), np.array([1, 2])))
+    with pytest.raises(ValueError, match="precision"):
+        _core.TransformerLayerOptions(True, False, False, 3)
+    # A sequence without rows, and a memory without rows: no keys to attend.
+    assert _core.transformer_layer(w, rows, None, None, None, options, (np.array([5, 0]), None)).shape == (5, 8)
+    out = _core.transformer_layer(wd, rows, np.ones((0, 8), np.float32), None, None, options,
+                                  (np.array([5, 0]), np.array([0, 0])))
+    assert out.shape == (5, 8) and np.isfinite(out).all()
+
+
+def test_head_dim_is_checked_by_the_core_alone():
+    from attnx import _core
+
+    assert _core.head_dim(12, 3) == 4
+    with pytest.raises(ValueError, match=r"embed_dim \(10\) must be divisible by num_heads \(3\)"):
+        _core.head_dim(10, 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        _core.head_dim(0, 2)
+    with pytest.raises(ValueError, match=r"embed_dim \(10\) must be divisible by num_heads \(3\)"):
+        attnx.MultiheadAttention(10, 3)

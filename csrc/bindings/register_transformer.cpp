@@ -356,8 +356,8 @@ py::array transformer_layer_typed(const TransformerLayerWeights& w, const py::ar
         block_masks<T>(cross_masks, o.cross_causal, "memory mask", N, H, L, S, kept[1]);
   else if (!cross_masks.is_none() || o.cross_causal)
     throw py::value_error("cross_masks: an encoder layer takes none");
-  if (packed && a.memory_rows.present() && o.cross_causal)
-    throw py::value_error("cross_causal: packed memory rows take no causal rule");
+  if (packed && o.cross_causal)
+    throw py::value_error("cross_causal: packed rows take no causal rule over the memory");
 
   LayerNormParams<T> final_params;
   if (o.has_norm) {
