@@ -154,7 +154,7 @@ def _packable_padding(mask: Any) -> bool:
     return mask.dtype == np.bool_ or bool(np.all((mask == 0) | (mask == -np.inf)))
 
 
-def _is_causal_mask(mask: Any, L: int) -> bool:
+def is_causal_mask(mask: Any, L: int) -> bool:
     """Whether `mask` is the (L, L) causal mask (bool: True above the diagonal; float: -inf above
     it, 0 elsewhere)."""
     if mask is None or mask.shape != (L, L):
@@ -211,7 +211,7 @@ def encode(layers: list[Any], norm: Any, src: np.ndarray[Any, Any], attn_mask: A
     weights = [layer_weights(layer) for layer in layers]
     last = len(layers) - 1
     padded = _padded(src_key_padding_mask)
-    causal_mask = attn_mask is not None and _is_causal_mask(attn_mask, L)
+    causal_mask = attn_mask is not None and is_causal_mask(attn_mask, L)
     if _all_real(padded) and src_key_padding_mask is not None and _packable_padding(src_key_padding_mask):
         src_key_padding_mask = padded = None  # no padding: the mask changes nothing
     reason = ""
@@ -261,7 +261,7 @@ def decode(layers: list[Any], norm: Any, tgt: np.ndarray[Any, Any], memory: np.n
     if (_all_real(memory_padded) and memory_key_padding_mask is not None
             and _packable_padding(memory_key_padding_mask)):
         memory_key_padding_mask = memory_padded = None
-    causal_mask = tgt_mask is not None and _is_causal_mask(tgt_mask, L)
+    causal_mask = tgt_mask is not None and is_causal_mask(tgt_mask, L)
     reason = ""
     if tgt_padded is not None or memory_padded is not None:
         if tgt_key_padding_mask is not None and not _packable_padding(tgt_key_padding_mask):
