@@ -456,9 +456,12 @@ def test_mha_does_not_read_trailing_padded_keys(torch, rng, kind):
     poisoned = k.copy()
     poisoned[pad] = np.nan  # never read: the padding is the keys' lengths
     np.testing.assert_array_equal(mha(q, poisoned, poisoned, key_padding_mask=mask, need_weights=False)[0], got)
-    # With the weights asked for, the mask is added as before (padded keys weigh 0).
-    out, weights = mha(q, k, k, key_padding_mask=mask)
-    np.testing.assert_allclose(out, got, **TOL[np.float32])
+    # With the weights asked for too: padded keys weigh 0, as torch's.
+    out, weights = mha(q, poisoned, poisoned, key_padding_mask=mask)
+    np.testing.assert_allclose(out, got, **TOL[np.float32])  # (the path that returns the weights)
+    with torch.inference_mode():
+        want_weights = tm(*(torch.from_numpy(a) for a in (q, k, k)), key_padding_mask=torch.from_numpy(mask))[1]
+    np.testing.assert_allclose(weights, want_weights.numpy(), **TOL[np.float32])
     assert not weights[np.broadcast_to(pad[:, None, :], weights.shape)].any()
 
 

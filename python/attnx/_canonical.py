@@ -426,8 +426,8 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
     the result from the core's (out, weights) (unbatched, in the result's dtype), and int64 (N)
     key lengths or None: a key padding mask that pads only the end of each batch entry's keys
     is given as their lengths (the padded keys are then never read), where the results are the
-    same (no attn_mask, no weights returned, nothing appended to the keys, and every entry with
-    a key).
+    same (no attn_mask, nothing appended to the keys, and every entry with a key; the weights
+    of the padded keys are then 0, as the mask gives them).
     """
     attn_mask, key_padding_mask, static_k, static_v = (None,) * 4 if extras is None else extras
     # The masks as arrays before their ranks are read: a tensor subclass or another object whose
@@ -463,8 +463,7 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
     static_k, static_v, S_src = _mha_statics(static_k, static_v, dtype, N, H, E // H, S)
     am, kpm = _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src)
     key_lengths = None
-    if (kpm is not None and am is None and not options.need_weights and not weights.bias_kv
-            and not weights.add_zero_attn):
+    if kpm is not None and am is None and not weights.bias_kv and not weights.add_zero_attn:
         key_lengths = _trailing_padding(key_padding_mask if batched else key_padding_mask[None])
         if key_lengths is not None:
             kpm = None
