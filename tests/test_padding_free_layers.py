@@ -162,6 +162,21 @@ def test_encoder_equals_torch_nested_tensors_zeros_included(torch, rng, where):
     np.testing.assert_array_equal(got[pad], want[pad])
 
 
+def test_encoder_with_a_final_norm_keeps_zeros_where_torch_normalizes_them(torch, rng):
+    # torch's nested tensors are unpacked before the stack's final norm, which turns their zeros
+    # into the norm's bias; attnx's padded outputs stay 0.
+    module = torch_encoder(torch, False, True, nested=True)
+    ours = attnx.TransformerEncoder.from_torch(module)
+    pad = padding(NESTED["end"], 8)
+    x = rng.standard_normal((3, 8, E)).astype(np.float32)
+    want = run_torch(torch, module, x, src_key_padding_mask=pad)
+    got = ours(x, src_key_padding_mask=pad)
+    np.testing.assert_allclose(got[~pad], want[~pad], **TOL[np.float32])
+    np.testing.assert_allclose(want[pad], np.broadcast_to(module.norm.bias.detach().numpy(), want[pad].shape),
+                               **TOL[np.float32])
+    assert not got[pad].any()
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_encoder_layer_alone(torch, rng, batch_first, norm_first):
