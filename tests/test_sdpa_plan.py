@@ -347,6 +347,9 @@ def test_values_are_copied_onto_lines_with_tiles_enough(facts, element_size, few
     assert not plan(call_of(L=fewest * qt, **{**base, "values_on_lines": True}), facts)["align_values"]
     if element_size == 4:
         assert not plan(call_of(L=fewest * qt, values_16bit=True, **base), facts)["align_values"]
+    # Nor for packed sequences: a batch's rows past its keys are another's, never copied.
+    packed = dict(base, key_lengths=True, query_lengths=True, packed=True)
+    assert not plan(call_of(L=fewest * qt, **packed), facts)["align_values"]
 
 
 def test_values_copy_bounds():

@@ -292,9 +292,12 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     }
     const T* vb = values.rows(start, n, v_buf, ldv);
     if (c.bf16) vb = bf16_rounded_rows(c, vb, ldv, n, Ev, v_buf), ldv = Ev;
-    if (!c.bf16 && (!any_closed || finite_values.all(b, kv_head, start, n, [&] {
-                      return rows_finite(kt, vb, ldv, n, Ev);
-                    }))) {
+    const auto values_finite = [&](int64_t j0, int64_t count) {
+      return finite_values.all(b, kv_head, j0, count, [&] {
+        return rows_finite(kt, vb + (j0 - start) * ldv, ldv, count, Ev);
+      });
+    };
+    if (!c.bf16 && (!any_closed || t.masks.closed_values_finite(a, start, n, values_finite))) {
       const GemmInit init = first_block ? GemmInit::kZero : GemmInit::kScaleRows;
       if (ask_ahead && start + n < S) {
         LineRange key_lines =

@@ -114,8 +114,8 @@ struct KernelTable {
   // kBlockAllZero and / or kBlockAllClosed as they hold for the rows x cols
   // entries x[r * ld + c] (NaN is neither); 0 as soon as neither can.
   int (*block_state)(const T* x, int64_t ld, int64_t rows, int64_t cols);
-  // Whether x[0..n) holds no NaN or infinity.
-  bool (*all_finite)(const T* x, int64_t n);
+  // Whether the rows x cols entries x[r * ld + c] hold no NaN or infinity.
+  bool (*all_finite)(const T* x, int64_t ld, int64_t rows, int64_t cols);
   // y[r][j] = <x[r], w_j> for r < rows, j < n, with w's rows ldw apart and
   // dim elements each: the projection of a few rows, each row of w read once
   // for up to kDotRowsMax rows of x (and prefetched: it comes from memory).

@@ -236,6 +236,23 @@ struct TileMasks {
     return MaskBlock::kMixed;
   }
 
+  // Whether the values of the keys in [start, start + n) that some row has
+  // closed are all finite (check(j0, count) says so of keys [j0, j0 + count)),
+  // as step (4) asks before it adds a block's values to every row at once.
+  // Without masks, the keys open to every row are those of the rows' common
+  // band, [lo of the last row, hi of the first): only the keys outside it
+  // are checked (a causal tile's diagonal: at most a tile's width of keys).
+  template <typename Check>
+  bool closed_values_finite(const SdpaArgs<T>& a, int64_t start, int64_t n,
+                            const Check& check) const {
+    if (has_masks) return check(start, n);
+    const int64_t end = std::min(start + n, a.mask_cols);  // appended keys are open
+    const int64_t before = std::clamp<int64_t>(lo[rows - 1], start, end);
+    const int64_t after = std::clamp<int64_t>(hi[0], before, end);
+    return (before == start || check(start, before - start)) &&
+           (after == end || check(after, end - after));
+  }
+
   // Step (2) of the tile paths on the scores st (n keys x the tile's lanes)
   // of a block that classify() found `state`: closes the entries the bands
   // and masks close, adds the masks to the others, and marks the rows that

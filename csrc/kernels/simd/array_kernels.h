@@ -89,13 +89,27 @@ struct ArrayKernels {
     }
   }
 
-  static bool all_finite(const T* x, int64_t n) {
-    // x * 0 is 0 for a finite x and NaN for NaN and +-inf.
-    V probe = Vec::zero();
+  // Whether the rows x cols entries x[r * ld + c] hold no NaN or infinity:
+  // x * 0 is 0 for a finite x and NaN for NaN and +-inf, summed over the rows
+  // in four chains of multiply-adds (a long row goes at the loads' speed, not
+  // at one chain's latency) and reduced once.
+  static bool all_finite(const T* x, int64_t ld, int64_t rows, int64_t cols) {
+    V probe = Vec::zero(), p1 = Vec::zero(), p2 = Vec::zero(), p3 = Vec::zero();
     const V zero = Vec::zero();
-    int64_t j = 0;
-    for (; j + W <= n; j += W) probe = Vec::fmadd(Vec::load(x + j), zero, probe);
-    if (j < n) probe = Vec::fmadd(Vec::load_partial(x + j, static_cast<int>(n - j)), zero, probe);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = x + r * ld;
+      int64_t j = 0;
+      for (; j + 4 * W <= cols; j += 4 * W) {
+        probe = Vec::fmadd(Vec::load(row + j), zero, probe);
+        p1 = Vec::fmadd(Vec::load(row + j + W), zero, p1);
+        p2 = Vec::fmadd(Vec::load(row + j + 2 * W), zero, p2);
+        p3 = Vec::fmadd(Vec::load(row + j + 3 * W), zero, p3);
+      }
+      for (; j + W <= cols; j += W) probe = Vec::fmadd(Vec::load(row + j), zero, probe);
+      if (j < cols)
+        probe = Vec::fmadd(Vec::load_partial(row + j, static_cast<int>(cols - j)), zero, probe);
+    }
+    probe = Vec::add(Vec::add(probe, p1), Vec::add(p2, p3));
     return Vec::reduce_add(probe) == T(0);
   }
 
