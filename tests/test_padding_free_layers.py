@@ -535,3 +535,29 @@ def test_head_dim_is_checked_by_the_core_alone():
         _core.head_dim(0, 2)
     with pytest.raises(ValueError, match=r"embed_dim \(10\) must be divisible by num_heads \(3\)"):
         attnx.MultiheadAttention(10, 3)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_mha_cross_attention_projects_the_real_keys_only(torch, rng, dtype, batch_first):
+    # Keys and values of their own width (separate projections), trailing padding: the padded
+    # rows are neither projected nor read (NaN there changes nothing), the results are torch's.
+    tdtype = torch.float64 if dtype == np.float64 else torch.float32
+    torch.manual_seed(4)
+    tm = torch.nn.MultiheadAttention(E, H, kdim=12, vdim=20, batch_first=batch_first, dtype=tdtype).eval()
+    mha = attnx.MultiheadAttention.from_torch(tm)
+    q = rng.standard_normal((3, 9, E)).astype(dtype)
+    k, v = rng.standard_normal((3, 11, 12)).astype(dtype), rng.standard_normal((3, 11, 20)).astype(dtype)
+    pad = np.arange(11)[None, :] >= np.array([11, 4, 1])[:, None]
+    q, k, v = (to_layout(a, batch_first) for a in (q, k, v))
+    for is_causal in (False, True):
+        extra = {"attn_mask": np.triu(np.ones((9, 11), bool), 1)} if is_causal else {}
+        got = mha(q, k, v, key_padding_mask=pad, need_weights=False, is_causal=is_causal)[0]
+        want = run_torch(torch, lambda *a, **kw: tm(*a, **kw, need_weights=False)[0], q, k, v, key_padding_mask=pad,
+                         **extra)
+        np.testing.assert_allclose(got, want, **TOL[dtype])
+        kp, vp = k.copy(), v.copy()
+        kp[pad if batch_first else pad.T] = np.nan
+        vp[pad if batch_first else pad.T] = np.nan
+        np.testing.assert_array_equal(mha(q, kp, vp, key_padding_mask=pad, need_weights=False, is_causal=is_causal)[0],
+                                      got)

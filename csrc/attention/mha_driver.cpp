@@ -104,6 +104,41 @@ bool stacked_self_projection(const MhaArgs<T>& a) {
   return plain_keys && self && a.stacked();
 }
 
+// Whether the keys and values of a call with key lengths are projected for
+// each batch's first key_lengths[n] rows only, gathered end to end as
+// packed keys: projected keys (not static, not the stacked self-attention
+// product, which the queries need whole), queries not packed, no masks or
+// weights (which packed sequences do not take), and some padding to skip.
+template <typename T>
+bool skips_padded_keys(const MhaArgs<T>& a, bool stacked) {
+  if (!a.key_lengths || stacked || a.query_rows.present() || a.key_rows.present() ||
+      a.static_k.present() || a.static_v.present() || a.weights || a.masks[0].present() ||
+      a.masks[1].present())
+    return false;
+  const int64_t N = a.key.shape[0], S = a.key.shape[1];
+  int64_t total = 0;
+  for (int64_t n = 0; n < N; ++n) total += a.key_lengths[n];
+  return total > 0 && total < N * S;
+}
+
+// The first lengths[n] rows of each batch n of x, end to end: a (1, total, C)
+// view of `storage`.
+template <typename T>
+StridedView<const T, 3> gather_rows(const StridedView<const T, 3>& x, const PackedRows& rows,
+                                    Buffer<T>& storage) {
+  const int64_t C = x.shape[2];
+  const int64_t total = rows.starts[rows.count - 1] + rows.lengths[rows.count - 1];
+  storage = Buffer<T>(size_t(total * C));
+  for (int64_t n = 0; n < rows.count; ++n)
+    for (int64_t s = 0; s < rows.lengths[n]; ++s)
+      std::copy_n(x.at(n, s), C, storage.data() + (rows.starts[n] + s) * C);
+  StridedView<const T, 3> v;
+  v.data = storage.data();
+  v.shape[0] = 1, v.shape[1] = total, v.shape[2] = C;
+  v.stride[0] = total * C, v.stride[1] = C, v.stride[2] = 1;
+  return v;
+}
+
 }  // namespace
 
 template <typename T>
@@ -121,6 +156,10 @@ void mha_forward(const MhaArgs<T>& a) {
   const bool packed = a.query_rows.present();
   const PackedRows& qr = a.query_rows;
   std::vector<int64_t> q_offsets, k_offsets, out_offsets;
+  // The keys' packing: the caller's, or that of skips_padded_keys.
+  PackedRows key_rows = a.key_rows;
+  std::vector<int64_t> gathered_starts;
+  Buffer<T> k_input, v_input;
   const bool stacked = stacked_self_projection(a);
   if (stacked && a.precision == Precision::kNative && !packed && !a.key_lengths &&
       self_attention_few_rows(a))
@@ -153,19 +192,33 @@ void mha_forward(const MhaArgs<T>& a) {
     } else {
       queries = heads_view<const T>(q_storage.data(), N, L, E, H);
     }
-    keys = build_keys(a.key, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage,
+    StridedView<const T, 3> key_in = a.key, value_in = a.value;
+    if (skips_padded_keys(a, stacked)) {
+      // Trailing padding: its keys and values are neither projected nor read.
+      gathered_starts.assign(size_t(N), 0);
+      for (int64_t n = 1; n < N; ++n)
+        gathered_starts[size_t(n)] = gathered_starts[size_t(n - 1)] + a.key_lengths[n - 1];
+      key_rows.count = N;
+      key_rows.starts = gathered_starts.data();
+      key_rows.lengths = a.key_lengths;
+      for (int64_t n = 0; n < N; ++n)
+        key_rows.max_length = std::max(key_rows.max_length, a.key_lengths[n]);
+      key_in = gather_rows(a.key, key_rows, k_input);
+      value_in = same_view(a.value, a.key) ? key_in : gather_rows(a.value, key_rows, v_input);
+    }
+    keys = build_keys(key_in, a.w_k, a.b_k, a.bias_k, a.add_zero_attn, a.static_k, H, k_storage,
                       a.precision, a.bf16_k);
-    values = build_keys(a.value, a.w_v, a.b_v, a.bias_v, a.add_zero_attn, a.static_v, H,
+    values = build_keys(value_in, a.w_v, a.b_v, a.bias_v, a.add_zero_attn, a.static_v, H,
                         v_storage, a.precision, a.bf16_v);
-    if (a.key_rows.present()) {
+    if (key_rows.present()) {
       // Projected (1, total_k, E) rows: the same buffers seen per sequence.
-      k_offsets = mha::row_offsets(a.key_rows, E);
-      keys = mha::packed_heads_view<const T>(keys.data, a.key_rows, k_offsets.data(), E, H);
-      values = mha::packed_heads_view<const T>(values.data, a.key_rows, k_offsets.data(), E, H);
+      k_offsets = mha::row_offsets(key_rows, E);
+      keys = mha::packed_heads_view<const T>(keys.data, key_rows, k_offsets.data(), E, H);
+      values = mha::packed_heads_view<const T>(values.data, key_rows, k_offsets.data(), E, H);
     }
   }
   const int64_t S_src = a.static_k.present()   ? a.static_k.shape[2]
-                        : a.key_rows.present() ? a.key_rows.max_length
+                        : key_rows.present()   ? key_rows.max_length
                         : stacked && packed    ? qr.max_length
                                                : a.key.shape[1];
   const int64_t Sp = keys.shape[2];
@@ -182,10 +235,10 @@ void mha_forward(const MhaArgs<T>& a) {
   sdpa.range.causal = a.causal;
   sdpa.range.bottom_right = a.bottom_right;
   sdpa.range.key_lengths = a.key_lengths;
-  if (packed) {
+  if (packed || key_rows.present()) {
     sdpa.range.packed = true;
-    sdpa.range.query_lengths = qr.lengths;
-    const PackedRows& kr = stacked ? qr : a.key_rows;
+    if (packed) sdpa.range.query_lengths = qr.lengths;
+    const PackedRows& kr = stacked ? qr : key_rows;
     if (kr.present()) sdpa.range.key_lengths = kr.lengths;
   }
   sdpa.scale = T(1) / std::sqrt(T(hd));
