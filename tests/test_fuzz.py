@@ -55,7 +55,7 @@ def test_short_fixed_seed_fuzz_run(tmp_path):
     outcomes = result["outcomes"]
     # Every entry point ran, and the oracle compared results.
     for entry in ("fuzz_sdpa", "fuzz_mha", "fuzz_module", "fuzz_core", "fuzz_set_num_threads", "fuzz_cache",
-                  "fuzz_step", "fuzz_transformer_layer", "fuzz_transformer_step"):
+                  "fuzz_step", "fuzz_transformer_layer", "fuzz_transformer_step", "fuzz_varlen"):
         assert outcomes.get(f"entry {entry}", 0) > 0, entry
     assert outcomes.get("result checked", 0) > inputs // 5
 
@@ -147,6 +147,41 @@ def test_the_transformer_oracles_catch_a_wrong_result_and_a_late_error(monkeypat
     assert failures(fz.fuzz_transformer_step, "raised after appending", 200) > 10
 
 
+def test_the_varlen_oracle_catches_a_wrong_result_and_accepted_bad_offsets(monkeypatch):
+    """varlen_attention's checks have teeth: a result 1% off fails, and so does a
+    varlen_attention that computes (zeros) where it should refuse its offsets or head counts;
+    the real one passes the same inputs."""
+    fz = load_fuzz_module()
+    entry = bytes([fz.ENTRY_POINTS.index(fz.fuzz_varlen)])
+    real = attnx.varlen_attention
+
+    def failures(message, inputs=300):
+        caught = 0
+        for i in range(inputs):
+            try:
+                fz.TestOneInput(entry + np.random.default_rng(i).bytes(300))
+            except AssertionError as exc:
+                caught += message in str(exc)
+        return caught
+
+    assert failures("", 150) == 0
+    monkeypatch.setattr(fz.attnx, "varlen_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    assert failures("") > 10
+
+    def lenient(query, key, value, cu_seqlens_q, cu_seqlens_k=None, **kwargs):
+        try:
+            return real(query, key, value, cu_seqlens_q, cu_seqlens_k, **kwargs)
+        except ValueError as exc:
+            if "cu_seqlens" not in str(exc) and "multiple of key heads" not in str(exc):
+                raise
+            q, v = np.asarray(fz.plain(query)), np.asarray(fz.plain(value))
+            return np.zeros(q.shape[:2] + v.shape[2:], q.dtype)
+
+    monkeypatch.setattr(fz.attnx, "varlen_attention", lenient)
+    assert failures("computed with invalid offsets") > 10
+    assert failures("computed with query heads") > 3
+
+
 # ---------------------------------------------------------------------------------------------
 # Regressions found by the fuzzer
 # ---------------------------------------------------------------------------------------------
@@ -181,3 +216,39 @@ def test_oracle_judges_list_inputs_by_their_values():
     # A well-scaled list still gets the tolerance check.
     with pytest.raises(AssertionError):
         fz.compare(got, expected, np.dtype(np.float32), "list input", [np.ones((1, 3), np.float32), [[0.5, 1.0]]])
+
+
+@pytest.mark.parametrize("entry", ["sdpa", "varlen"])
+def test_a_softcap_past_float32_range_is_refused_or_has_no_effect(entry):
+    """Found by the fuzzer (fuzz_varlen): ``softcap=1e39`` (any finite value past float32's
+    largest, 3.4e38) gave NaN everywhere in a float32 computation (the cap rounded to Inf:
+    Inf * tanh(s / Inf) = NaN) where the float64 reference gives the result without a cap.
+    Such a cap caps nothing float32 holds: the result is the uncapped one."""
+    q = np.random.default_rng(0).standard_normal((5, 2, 8)).astype(np.float32)  # (tokens, H, E)
+    call = {"sdpa": lambda **kw: attnx.scaled_dot_product_attention(*(q.transpose(1, 0, 2),) * 3, **kw),
+            "varlen": lambda **kw: attnx.varlen_attention(q, q, q, [0, 2, 5], **kw)}[entry]
+    try:
+        got = call(softcap=1e39)
+    except ValueError:
+        return
+    np.testing.assert_allclose(got, call(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("entry", ["sdpa", "varlen"])
+def test_a_huge_softcap_with_bfloat16_products_has_no_effect(entry):
+    """Found by the fuzzer (fuzz_varlen): with ``precision="bfloat16"``, a large softcap
+    (about 1e37 and up, still within float32's range) gave results far from the reference
+    of the same rounding (off by 0.13 at 1e37, 2.7 at 1e38, for N(0, 1) inputs): the rounded
+    queries carried the cap's division (scale * q / softcap, flushed to zero as a bfloat16
+    subnormal), where the reference rounds scale * q and divides the float32 scores."""
+    from attnx import reference
+
+    q = np.random.default_rng(0).standard_normal((20, 2, 8)).astype(np.float32)  # (tokens, H, E)
+    if entry == "sdpa":
+        qh = q.transpose(1, 0, 2)
+        got = attnx.scaled_dot_product_attention(qh, qh, qh, softcap=1e38, precision="bfloat16")
+        expected = reference.scaled_dot_product_attention(qh, qh, qh, softcap=1e38, precision="bfloat16")
+    else:
+        got = attnx.varlen_attention(q, q, q, [0, 5, 20], softcap=1e38, precision="bfloat16")
+        expected = reference.varlen_attention(q, q, q, [0, 5, 20], softcap=1e38, precision="bfloat16")
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)

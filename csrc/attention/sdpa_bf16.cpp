@@ -96,14 +96,16 @@ StoredView<float> bits_view(const StridedView<const uint16_t, 4>& bits) {
   return s;
 }
 
-// a16's queries: a copy of round(query_scale * q), contiguous, with a scale
-// of 1.
+// a16's queries: a copy of round(scale * q), contiguous, with a scale of 1
+// (the soft cap's division is left to the float32 scores, as the reference
+// rounds its operands: scale * q, not scale * q / softcap, which a large cap
+// would push into bfloat16's flushed subnormals).
 void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
                    const Bf16KernelTable& kt16, Bf16Operands& ops, SdpaArgs<float>& a16) {
   const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
   const int64_t E = a.query.shape[3];
   ops.queries = cache_line_array<float>(size_t(std::max<int64_t>(1, B * Hq * L * E)));
-  const float query_scale = a.query_scale();
+  const float query_scale = a.scale;
   parallel_for(B * Hq, threads_for(kConvertWork * double(B * Hq * L * E)), Schedule::kStatic,
                [&](int64_t bh) {
                  // Packed, the rows past the batch's are another's: left unread.
@@ -117,7 +119,7 @@ void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
   q.data = ops.queries.get();
   q.batch_offsets = nullptr;
   q.stride[0] = Hq * L * E, q.stride[1] = L * E, q.stride[2] = E, q.stride[3] = 1;
-  a16.scale = a.softcap > 0 ? a.softcap : 1.0f;  // query_scale() = 1
+  a16.scale = 1.0f;  // query_scale() = 1 / softcap, or 1
 }
 
 }  // namespace
@@ -128,7 +130,7 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool t
   ops.kt16 = &kt16;
   a16 = a;
   const int64_t E = a.query.shape[3];
-  // Queries: the tile path rounds round(query_scale * q) as it packs a tile;
+  // Queries: the tile path rounds round(scale * q) as it packs a tile;
   // the others read a copy of them, whose scale is then 1.
   if (!tile_path) round_queries(a, kt, kt16, ops, a16);
 

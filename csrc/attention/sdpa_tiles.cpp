@@ -122,8 +122,8 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
     if (c.bf16) {
       uint32_t* q_pairs = reinterpret_cast<uint32_t*>(t.q_t);
       std::fill_n(q_pairs, (E + 1) / 2 * qt, uint32_t(0));
-      c.bf16->kt16->pack_pairs(a.query.at(b, h, i0), 1, a.query.stride[2], E, rows,
-                               a.query_scale(), q_pairs, qt);
+      c.bf16->kt16->pack_pairs(a.query.at(b, h, i0), 1, a.query.stride[2], E, rows, a.scale,
+                               q_pairs, qt);
     }
   }
   if (!c.bf16)
@@ -147,7 +147,9 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
 }
 
 // The scores of keys [start, start + n) with bfloat16 products: the keys'
-// pairs times the tile's query pairs (packed by begin_flash_tile).
+// pairs times the tile's query pairs (packed by begin_flash_tile, with the
+// scale), divided by the soft cap where there is one (query_scale's part that
+// the rounded operands leave out).
 template <typename T>
 void bf16_scores(const SdpaContext<T>& c, const FlashTile<T>& t, int64_t kv_head, int64_t start,
                  int64_t n, T* st) {
@@ -157,6 +159,8 @@ void bf16_scores(const SdpaContext<T>& c, const FlashTile<T>& t, int64_t kv_head
     c.bf16->kt16->gemm(n, t.lanes, (E + 1) / 2, c.bf16->key_pairs(c.args, t.b, kv_head, start),
                        c.bf16->ldk, 1, reinterpret_cast<const uint32_t*>(t.q_t), qt, st, qt,
                        GemmInit::kZero, nullptr);
+    if (c.args.softcap > 0)
+      c.kt.scale(st, n * qt, static_cast<float>(1.0 / double(c.args.softcap)), st);
   }
 }
 

@@ -176,7 +176,10 @@ void apply_options(const SdpaOptions& o, int64_t S, SdpaArgs<T>& a) {
   a.range.window_left = window_extent(o.window_left, S + L);
   a.range.window_right = window_extent(o.window_right, S + L);
   a.scale = static_cast<T>(scale);
-  a.softcap = static_cast<T>(o.softcap);
+  // A cap past T's largest finite value caps no score T holds below about
+  // 1e34 (c * tanh(s / c) is s to T's precision there): no cap, rather than
+  // an infinite c and NaN scores.
+  a.softcap = o.softcap <= double(std::numeric_limits<T>::max()) ? static_cast<T>(o.softcap) : T(0);
   a.precision = checked_precision(o.precision, std::is_same_v<T, double>);
 }
 
