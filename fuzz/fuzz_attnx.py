@@ -2183,6 +2183,12 @@ def fuzz_transformer_layer(p: Provider):
                                      None if bias is None else bias.astype(run_dtype), float(module.norm.eps))
         return x
 
+    # attnx runs the layers on the real tokens only: where every position is padding, it has no
+    # rows to give the activation (and returns zeros).
+    padded = None
+    if args[padding_name] is not None and got.size:
+        padded = closed_rows(args[padding_name], canonical(got, batched, batch_first).shape[:2])
+    no_rows = got.size == 0 or (padded is not None and bool(padded.all()))
     try:
         if bf16:
             # The reference of the same rounding; the spread is its distance from float64
@@ -2193,10 +2199,10 @@ def fuzz_transformer_layer(p: Provider):
             expected = reference_of(lambda: reference_in(np.float64))
             spread = reference_of(lambda: reference_in(np.float32))
     except Planted:  # the activation raised in the reference: attnx had no rows to give it
-        if got.size:
+        if not no_rows:
             raise Disallowed(f"{what}: a result where the activation raised") from None
         return
-    if (expected is None or spread is None) and got.size == 0 and any(callable(x.activation) for x in layers):
+    if (expected is None or spread is None) and no_rows and any(callable(x.activation) for x in layers):
         return  # (the reference called an activation that refuses even no rows; attnx had none to give it)
     if expected is None or spread is None:
         raise Disallowed(f"{what}: attnx computed a result for a call the reference rejects")
@@ -2204,6 +2210,8 @@ def fuzz_transformer_layer(p: Provider):
     skip = None
     if args[padding_name] is not None:
         skip = closed_rows(args[padding_name], got_rows.shape[:2])
+        if np.asarray(got_rows)[skip].any():
+            raise Disallowed(f"{what}: an output at a padded position is not 0")
     scaled = inputs[:1 + decoder] + [scale_view(args[n]) for n in arrays[1 + decoder:]] + list(params.values())
     if bf16:
         OUTCOMES[f"{what}: bfloat16 precision checked"] += 1

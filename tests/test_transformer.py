@@ -3,9 +3,10 @@
 ``TransformerEncoderLayer``, ``TransformerDecoderLayer``, ``TransformerEncoder``,
 ``TransformerDecoder`` and ``Transformer`` are built in torch (eval mode, every parameter moved
 off its initial value), copied with ``from_torch`` and with ``load_state_dict``, and compared
-with torch under ``torch.inference_mode()`` on the non-padded positions (the outputs of padded
-positions are not specified: torch's encoder zeroes them on its nested-tensor path). The masks
-keep every query row at least one key, so that torch gives no NaN.
+with torch under ``torch.inference_mode()`` on the non-padded positions (attnx's outputs at padded
+positions are zeros, as torch's nested-tensor path gives, where torch's other paths compute them:
+tests/test_padding_free_layers.py). The masks keep every query row at least one key, so that
+torch gives no NaN.
 
 torch's encoder fast path (``torch._transformer_encoder_layer_fwd``, taken in eval mode with
 ``batch_first``, an even ``nhead`` and no grad; and the nested tensors of
@@ -320,7 +321,7 @@ def compared_rows(cfg, padding):
     N = 1 if cfg["unbatched"] else cfg["N"]
     keep = ~padding[query] if query in padding else np.ones((N, n), bool)
     if cfg["unbatched"]:
-        return keep[0]
+        return keep.reshape(-1)  # (n,): the unbatched mask's positions
     return keep if cfg["batch_first"] else keep.T
 
 
@@ -413,20 +414,20 @@ def test_stacks_detect_the_causal_mask_as_torch(torch, monkeypatch, rng):
     from torch.nn.modules.transformer import _detect_is_causal_mask
 
     seen = []
-    encoder_layer, decoder_layer = attnx._layers.encoder_layer, attnx._layers.decoder_layer
+    encode, decode = attnx._layers.encode, attnx._layers.decode
 
-    def record_encoder(layer, src, mask, padding, is_causal, norm=None, precision=0):
-        seen.append(is_causal)
-        return encoder_layer(layer, src, mask, padding, is_causal, norm, precision)
+    def record_encoder(layers, norm, src, mask, padding, is_causal, precisions):
+        seen.extend([is_causal] * len(layers))  # every layer's
+        return encode(layers, norm, src, mask, padding, is_causal, precisions)
 
-    def record_decoder(layer, tgt, memory, tgt_mask, memory_mask, tgt_padding, memory_padding, tgt_is_causal,
-                       memory_is_causal, norm=None, precision=0):
-        seen.append(tgt_is_causal)
-        return decoder_layer(layer, tgt, memory, tgt_mask, memory_mask, tgt_padding, memory_padding, tgt_is_causal,
-                             memory_is_causal, norm, precision)
+    def record_decoder(layers, norm, tgt, memory, tgt_mask, memory_mask, tgt_padding, memory_padding, tgt_is_causal,
+                       memory_is_causal, precisions):
+        seen.extend([tgt_is_causal] * len(layers))
+        return decode(layers, norm, tgt, memory, tgt_mask, memory_mask, tgt_padding, memory_padding, tgt_is_causal,
+                      memory_is_causal, precisions)
 
-    monkeypatch.setattr(attnx._layers, "encoder_layer", record_encoder)
-    monkeypatch.setattr(attnx._layers, "decoder_layer", record_decoder)
+    monkeypatch.setattr(attnx._layers, "encode", record_encoder)
+    monkeypatch.setattr(attnx._layers, "decode", record_decoder)
     encoder = attnx.TransformerEncoder(attnx.TransformerEncoderLayer(8, 2, 16, 0.0, seed=0), 2)
     decoder = attnx.TransformerDecoder(attnx.TransformerDecoderLayer(8, 2, 16, 0.0, seed=0), 2)
     x = rng.standard_normal((5, 2, 8)).astype(np.float32)

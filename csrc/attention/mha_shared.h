@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "attention/cache_line_array.h"
 #include "attention/projection.h"
@@ -46,6 +47,28 @@ StridedView<U, 4> heads_view(U* data, int64_t N, int64_t L, int64_t E, int64_t H
   v.shape[0] = N, v.shape[1] = H, v.shape[2] = L, v.shape[3] = E / H;
   v.stride[0] = L * row, v.stride[1] = E / H, v.stride[2] = row, v.stride[3] = 1;
   return v;
+}
+
+// The packed rows of `p`'s sequences in a contiguous (total, row) buffer,
+// columns [offset, offset + E), seen as (count, H, max_length, hd): sequence
+// b reached through offsets[b] = starts[b] * row (row_offsets). stride[0]
+// is nonzero so that the view is not read as broadcast over sequences.
+template <typename U>
+StridedView<U, 4> packed_heads_view(U* data, const PackedRows& p, const int64_t* offsets,
+                                    int64_t E, int64_t H, int64_t row = 0, int64_t offset = 0) {
+  if (row == 0) row = E;
+  StridedView<U, 4> v = heads_view(data, p.count, p.max_length, E, H, row, offset);
+  v.stride[0] = (p.max_length > 0 ? p.max_length : 1) * row;
+  v.batch_offsets = offsets;
+  return v;
+}
+
+// offsets[b] = starts[b] * row: where each packed sequence starts in a buffer
+// of rows of `row` elements.
+inline std::vector<int64_t> row_offsets(const PackedRows& p, int64_t row) {
+  std::vector<int64_t> offsets(size_t(p.count));
+  for (int64_t b = 0; b < p.count; ++b) offsets[size_t(b)] = p.starts[b] * row;
+  return offsets;
 }
 
 // qkv (N, L, 3E) = the query, key and value projections of x side by side in

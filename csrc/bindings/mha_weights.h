@@ -41,6 +41,19 @@ inline OptArray optional_own_view(const py::handle& h, const char* name) {
   return h.is_none() ? OptArray() : OptArray(own_view(h, name));
 }
 
+// The head dim E / H, where the heads split the embedding evenly: the one
+// place this rule is checked (the modules' constructors ask it too, through
+// _core.head_dim, before they have weights).
+inline int64_t checked_head_dim(int64_t E, int64_t H) {
+  if (E < 1)
+    throw py::value_error("embed_dim must be at least 1 (a multiple of num_heads = " +
+                          std::to_string(H) + "), got " + std::to_string(E));
+  if (H < 1 || E % H != 0)
+    throw py::value_error("embed_dim (" + std::to_string(E) + ") must be divisible by num_heads (" +
+                          std::to_string(H) + ")");
+  return E / H;
+}
+
 // The parameters of multi-head attention, checked once: float32 or float64
 // arrays of the shapes torch's module has. It keeps its own ndarray views of
 // them (sharing their memory, so values written in place are used), which
@@ -133,10 +146,7 @@ class MhaWeights {
     if (w_[3].shape(1) != E)
       throw py::value_error("out_proj_weight: expected E = " + std::to_string(E) +
                             " columns, got shape " + shape_string(w_[3]));
-    if (num_heads_ < 1 || E % num_heads_ != 0)
-      throw py::value_error("embed_dim (" + std::to_string(E) +
-                            ") must be divisible by num_heads (" + std::to_string(num_heads_) +
-                            ")");
+    checked_head_dim(E, num_heads_);
     static const char* bias_names[3] = {"q bias", "k bias", "v bias"};
     for (int i = 0; i < 3; ++i) vector_data<T>(b_[i], bias_names[i], E);
     vector_data<T>(b_[3], "out_proj_bias", out_dim());

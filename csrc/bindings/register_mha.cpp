@@ -121,8 +121,13 @@ py::object mha_plain(const MhaWeights& w, const py::handle& query, const py::han
 // The forward pass of the canonical arrays attnx._canonical.mha_call made:
 // (query, key, value) as (N, L, dim) views, (attn_mask, key_padding_mask)
 // and (static_k, static_v) as (N, H, L, S) / (N, H, S, hd) arrays or None.
+//
+// key_lengths: None or int64 (N), each batch's keys its first key_lengths[n]
+// (a key padding mask of trailing padding, given as lengths so that the
+// padded keys are never read), then with no key_padding_mask array.
 template <typename T>
-py::tuple mha_canonical(const MhaWeights& w, const py::tuple& call, const MhaOptions& o) {
+py::tuple mha_canonical(const MhaWeights& w, const py::tuple& call, const MhaOptions& o,
+                        const py::handle& key_lengths) {
   MhaArgs<T> a;
   static_cast<MhaParams<T>&>(a) = w.params<T>();
   a.query = const_view<T, 3>(call[0].cast<py::array>(), "query");
@@ -158,6 +163,19 @@ py::tuple mha_canonical(const MhaWeights& w, const py::tuple& call, const MhaOpt
     a.masks[m] = optional_view<T, 4>(masks[m], m ? "key_padding_mask" : "attn_mask", false);
     if (a.masks[m].present()) require_shape(a.masks[m], "mask", {N, H, L, S_k});
   }
+  py::array_t<int64_t> lengths;
+  if (!key_lengths.is_none()) {
+    lengths = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(key_lengths);
+    if (!lengths || lengths.ndim() != 1 || lengths.shape(0) != N)
+      throw py::value_error("key_lengths: expected int64 (N) = (" + std::to_string(N) + ")");
+    if (a.masks[1].present() || w.bias_kv() || w.add_zero_attn())
+      throw py::value_error("key_lengths: not with a key_padding_mask, bias_k/bias_v or "
+                            "add_zero_attn");
+    for (int64_t n = 0; n < N; ++n)
+      if (lengths.data()[n] < 0 || lengths.data()[n] > S_k)
+        throw py::value_error("key_lengths: outside [0, S]");
+    a.key_lengths = lengths.data();
+  }
   return run_mha(a, w, o);
 }
 
@@ -177,12 +195,13 @@ py::object mha(const py::object& weights, const py::handle& query, const py::han
                                       : mha_plain<float>(w, query, key, value, o);
     if (!result.is_none()) return result;
   }
-  // (query, key, value, attn_mask, key_padding_mask, static_k, static_v, finish): the
-  // canonical arrays, and what turns the core's (out, weights) into the result.
+  // (query, key, value, attn_mask, key_padding_mask, static_k, static_v, finish,
+  // key_lengths): the canonical arrays, and what turns the core's (out, weights) into the
+  // result.
   const py::tuple call =
       python_mha_call()(weights, query, key, value, extras, options);
-  const py::tuple computed =
-      w.is_double() ? mha_canonical<double>(w, call, o) : mha_canonical<float>(w, call, o);
+  const py::tuple computed = w.is_double() ? mha_canonical<double>(w, call, o, call[8])
+                                           : mha_canonical<float>(w, call, o, call[8]);
   return call[7](computed[0], computed[1]);
 }
 
@@ -256,15 +275,18 @@ void register_mha_testing(py::module_& testing) {
   testing.def(
       "run_mha",
       [](const MhaWeights& w, const py::tuple& call, const py::object& options) {
-        if (call.size() != 7)
+        if (call.size() != 7 && call.size() != 8)
           throw py::value_error("run_mha: call must be (query, key, value, attn_mask, "
-                                "key_padding_mask, static_k, static_v)");
+                                "key_padding_mask, static_k, static_v[, key_lengths])");
         const MhaOptions& o = options.cast<const MhaOptions&>();
-        return w.is_double() ? mha_canonical<double>(w, call, o) : mha_canonical<float>(w, call, o);
+        const py::object lengths = call.size() == 8 ? py::object(call[7]) : py::none();
+        return w.is_double() ? mha_canonical<double>(w, call, o, lengths)
+                             : mha_canonical<float>(w, call, o, lengths);
       },
       py::arg("weights"), py::arg("call"), py::arg("options"),
-      "The core's forward pass on canonical (N, L, dim) operands, (N, H, L, S) masks and\n"
-      "(N, H, S, hd) static keys and values: (out, weights or None).");
+      "The core's forward pass on canonical (N, L, dim) operands, (N, H, L, S) masks,\n"
+      "(N, H, S, hd) static keys and values and optional int64 (N) key lengths: (out,\n"
+      "weights or None).");
   testing.def(
       "fail_next_step",
       [](const std::string& stage) {
@@ -310,6 +332,8 @@ void register_mha(py::module_& m) {
       .def_property_readonly("vdim", &MhaWeights::vdim)
       .def_property_readonly("bias_kv", &MhaWeights::bias_kv)
       .def_property_readonly("add_zero_attn", &MhaWeights::add_zero_attn);
+  m.def("head_dim", &checked_head_dim, py::arg("embed_dim"), py::arg("num_heads"),
+        "embed_dim // num_heads; ValueError unless num_heads divides embed_dim >= 1.");
   m.def("mha", &mha, py::arg("weights"), py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("extras"), py::arg("options"),
         "Multi-head attention forward: (out, weights or None). extras: None, or\n"

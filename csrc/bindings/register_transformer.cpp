@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "attnx/transformer.h"
 #include "bindings/array_views.h"
@@ -190,18 +191,104 @@ BlockMasks<T> block_masks(const py::object& pair, bool causal, const char* name,
   return m;
 }
 
+// The scalar arguments of a layer call and its stack's final norm, checked
+// once in Python (attnx._layers) and kept for the calls of a stack.
+class TransformerLayerOptions {
+ public:
+  TransformerLayerOptions(bool batch_first, bool self_causal, bool cross_causal, int precision,
+                          const py::object& final_norm)
+      : batch_first(batch_first),
+        self_causal(self_causal),
+        cross_causal(cross_causal),
+        precision(precision) {
+    checked_precision(precision, false);  // 0 or 1; float64 is checked with the weights
+    if (!final_norm.is_none()) {
+      const auto f = final_norm.cast<py::tuple>();
+      if (f.size() != 3) throw py::value_error("final_norm: expected (weight, bias, eps)");
+      for (int i = 0; i < 2; ++i)
+        if (!f[i].is_none()) norm[i] = f[i].cast<py::array>();
+      eps = f[2].cast<double>();
+      if (!(eps >= 0)) throw py::value_error("norm.eps must be >= 0");
+      has_norm = true;
+    }
+  }
+
+  bool batch_first, self_causal, cross_causal;
+  int precision;
+  bool has_norm = false;
+  OptArray norm[2];
+  double eps = 0;
+};
+
+// Sequence lengths (int64, 1-D) as PackedRows over `total` rows: the starts
+// are their running sums.
+PackedRows packed_rows(const py::object& lengths, const char* name, int64_t total,
+                       py::array_t<int64_t>& keep, std::vector<int64_t>& starts) {
+  keep = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(lengths);
+  if (!keep || keep.ndim() != 1)
+    throw py::value_error(std::string(name) + ": expected a 1-D array of int64 lengths");
+  PackedRows p;
+  p.count = keep.shape(0);
+  p.lengths = keep.data();
+  starts.assign(size_t(p.count), 0);
+  int64_t sum = 0;
+  for (int64_t b = 0; b < p.count; ++b) {
+    if (p.lengths[b] < 0 || p.lengths[b] > total - sum)
+      throw py::value_error(std::string(name) + ": lengths must be >= 0 and sum to the rows, " +
+                            std::to_string(total));
+    starts[size_t(b)] = sum;
+    sum += p.lengths[b];
+    p.max_length = std::max(p.max_length, p.lengths[b]);
+  }
+  if (sum != total)
+    throw py::value_error(std::string(name) + ": lengths sum to " + std::to_string(sum) +
+                          ", expected the rows, " + std::to_string(total));
+  p.starts = starts.data();
+  return p;
+}
+
+// Contiguous-row (rows, E) array as the (1, rows, E) view of packed rows.
+template <typename T>
+StridedView<const T, 3> packed_view(const py::array& a, const char* name) {
+  const StridedView<const T, 2> v = const_view<T, 2>(a, name);
+  StridedView<const T, 3> r;
+  r.data = v.data;
+  r.shape[0] = 1, r.shape[1] = v.shape[0], r.shape[2] = v.shape[1];
+  r.stride[0] = v.shape[0] * v.stride[0], r.stride[1] = v.stride[0], r.stride[2] = 1;
+  return r;
+}
+
 template <typename T>
 py::array transformer_layer_typed(const TransformerLayerWeights& w, const py::array& x,
                                   const py::object& memory, const py::object& self_masks,
-                                  const py::object& cross_masks, bool batch_first,
-                                  bool self_causal, bool cross_causal,
-                                  const py::object& final_norm, const py::object& cache,
-                                  const py::object& memory_kv, int precision) {
+                                  const py::object& cross_masks,
+                                  const TransformerLayerOptions& o, const py::object& lengths,
+                                  const py::object& step) {
   TransformerLayerArgs<T> a;
-  a.precision = checked_precision(precision, std::is_same_v<T, double>);
+  a.precision = checked_precision(o.precision, std::is_same_v<T, double>);
   a.params = w.params<T>(a.precision);
-  a.x = batch_view<T>(x, "x", batch_first);
-  const int64_t N = a.x.shape[0], L = a.x.shape[1], E = w.d_model(), H = w.num_heads();
+  const bool batch_first = o.batch_first;
+  const int64_t E = w.d_model(), H = w.num_heads();
+
+  // Padding-free rows: x (total, E) and the sequences' lengths.
+  py::array_t<int64_t> kept_lengths[2];
+  std::vector<int64_t> starts[2];
+  py::object memory_lengths = py::none();
+  const bool packed = !lengths.is_none();
+  if (packed) {
+    const auto pair = lengths.cast<py::tuple>();
+    if (pair.size() != 2)
+      throw py::value_error("lengths: expected (x lengths, memory lengths or None)");
+    if (!self_masks.is_none() || !cross_masks.is_none() || !step.is_none())
+      throw py::value_error("lengths: packed rows take no masks and no decoding step");
+    a.x = packed_view<T>(x, "x");
+    a.x_rows = packed_rows(pair[0], "x lengths", a.x.shape[1], kept_lengths[0], starts[0]);
+    memory_lengths = pair[1];
+  } else {
+    a.x = batch_view<T>(x, "x", batch_first);
+  }
+  const int64_t N = packed ? a.x_rows.count : a.x.shape[0];
+  const int64_t L = packed ? a.x_rows.max_length : a.x.shape[1];
   if (a.x.shape[2] != E)
     throw py::value_error("x: " + std::to_string(a.x.shape[2]) + " features, expected d_model = " +
                           std::to_string(E));
@@ -210,18 +297,34 @@ py::array transformer_layer_typed(const TransformerLayerWeights& w, const py::ar
   if (w.decoder()) {
     if (memory.is_none()) throw py::value_error("memory: a decoder layer needs one");
     memory_array = memory.cast<py::array>();
-    a.memory = batch_view<T>(memory_array, "memory", batch_first);
-    S = a.memory.shape[1];
-    if (a.memory.shape[0] != N || a.memory.shape[2] != E)
-      throw py::value_error("memory: shape " + shape_string(memory_array) +
-                            " does not match x " + shape_string(x));
-  } else if (!memory.is_none()) {
+    if (!memory_lengths.is_none()) {
+      a.memory = packed_view<T>(memory_array, "memory");
+      a.memory_rows = packed_rows(memory_lengths, "memory lengths", a.memory.shape[1],
+                                  kept_lengths[1], starts[1]);
+      if (a.memory_rows.count != N)
+        throw py::value_error("memory lengths: " + std::to_string(a.memory_rows.count) +
+                              " sequences, expected " + std::to_string(N));
+      if (a.memory.shape[2] != E)
+        throw py::value_error("memory: shape " + shape_string(memory_array) +
+                              " does not match d_model " + std::to_string(E));
+      S = a.memory_rows.max_length;
+    } else {
+      a.memory = batch_view<T>(memory_array, "memory", batch_first);
+      S = a.memory.shape[1];
+      if (a.memory.shape[0] != N || a.memory.shape[2] != E)
+        throw py::value_error("memory: shape " + shape_string(memory_array) +
+                              " does not match x " + shape_string(x));
+    }
+  } else if (!memory.is_none() || !memory_lengths.is_none()) {
     throw py::value_error("memory: an encoder layer takes none");
   }
   OptArray kept[2][kMaxMasks];
   CacheArrays cache_arrays_;
   py::array memory_kv_arrays[2];
-  if (!cache.is_none()) {
+  if (!step.is_none()) {
+    const auto pair = step.cast<py::tuple>();
+    if (pair.size() != 2) throw py::value_error("step: expected (cache, memory_kv)");
+    const py::object cache = pair[0], memory_kv = pair[1];
     cache_arrays_ = cache_arrays(cache);
     const CacheArrays& c = cache_arrays_;
     if (c.heads != H || c.head_dim != E / H || c.value_dim != E / H || c.batch != N)
@@ -230,7 +333,7 @@ py::array transformer_layer_typed(const TransformerLayerWeights& w, const py::ar
     for (int64_t b = 0; b < N; ++b)
       if (c.lengths[b] + L > c.max_len)
         throw py::value_error("cache: a sequence would grow past max_len");
-    if (!self_masks.is_none() || self_causal)
+    if (!self_masks.is_none() || o.self_causal)
       throw py::value_error("self_masks: a decoding step takes none (it is causal)");
     a.self_cache = &cache_arrays_;
     if (w.decoder()) {
@@ -242,36 +345,36 @@ py::array transformer_layer_typed(const TransformerLayerWeights& w, const py::ar
       a.memory_values = const_view<T, 4>(memory_kv_arrays[1], "memory values");
       require_shape(a.memory_keys, "memory keys", {N, H, S, E / H});
       require_shape(a.memory_values, "memory values", {N, H, S, E / H});
+    } else if (!memory_kv.is_none()) {
+      throw py::value_error("memory_kv: an encoder layer takes none");
     }
-  } else if (!memory_kv.is_none()) {
-    throw py::value_error("memory_kv: only a decoding step takes them");
   }
-  a.self_masks = block_masks<T>(self_masks, self_causal, "self-attention mask", N, H, L, L, kept[0]);
+  a.self_masks = block_masks<T>(self_masks, o.self_causal, "self-attention mask", N, H, L, L,
+                                kept[0]);
   if (w.decoder())
-    a.cross_masks = block_masks<T>(cross_masks, cross_causal, "memory mask", N, H, L, S, kept[1]);
-  else if (!cross_masks.is_none() || cross_causal)
+    a.cross_masks =
+        block_masks<T>(cross_masks, o.cross_causal, "memory mask", N, H, L, S, kept[1]);
+  else if (!cross_masks.is_none() || o.cross_causal)
     throw py::value_error("cross_masks: an encoder layer takes none");
+  if (packed && o.cross_causal)
+    throw py::value_error("cross_causal: packed rows take no causal rule over the memory");
 
   LayerNormParams<T> final_params;
-  OptArray final_arrays[2];
-  if (!final_norm.is_none()) {
-    const auto f = final_norm.cast<py::tuple>();
-    if (f.size() != 3) throw py::value_error("final_norm: expected (weight, bias, eps)");
-    for (int i = 0; i < 2; ++i)
-      if (!f[i].is_none()) final_arrays[i] = f[i].cast<py::array>();
-    final_params.weight = vector_data<T>(final_arrays[0], "norm.weight", E);
-    final_params.bias = vector_data<T>(final_arrays[1], "norm.bias", E);
-    final_params.eps = f[2].cast<T>();
-    if (!(final_params.eps >= 0)) throw py::value_error("norm.eps must be >= 0");
+  if (o.has_norm) {
+    final_params.weight = vector_data<T>(o.norm[0], "norm.weight", E);
+    final_params.bias = vector_data<T>(o.norm[1], "norm.bias", E);
+    final_params.eps = static_cast<T>(o.eps);
     a.final_norm = &final_params;
   }
 
-  py::array_t<T> out(batch_first ? std::vector<py::ssize_t>{N, L, E}
-                                 : std::vector<py::ssize_t>{L, N, E});
+  const int64_t total = a.x.shape[1];
+  py::array_t<T> out(packed        ? std::vector<py::ssize_t>{total, E}
+                     : batch_first ? std::vector<py::ssize_t>{N, L, E}
+                                   : std::vector<py::ssize_t>{L, N, E});
   a.out.data = out.mutable_data();
-  a.out.shape[0] = N, a.out.shape[1] = L, a.out.shape[2] = E;
-  a.out.stride[0] = batch_first ? L * E : E;
-  a.out.stride[1] = batch_first ? E : N * E;
+  a.out.shape[0] = packed ? 1 : N, a.out.shape[1] = packed ? total : L, a.out.shape[2] = E;
+  a.out.stride[0] = packed ? total * E : batch_first ? L * E : E;
+  a.out.stride[1] = packed || batch_first ? E : N * E;
   a.out.stride[2] = 1;
 
   if (w.custom_activation()) {
@@ -313,30 +416,39 @@ void register_transformer(py::module_& m) {
       .def_property_readonly("dim_feedforward", &TransformerLayerWeights::dim_feedforward)
       .def_property_readonly("decoder", &TransformerLayerWeights::decoder)
       .def_property_readonly("is_double", &TransformerLayerWeights::is_double);
+  py::class_<TransformerLayerOptions>(
+      m, "TransformerLayerOptions",
+      "The scalar arguments of transformer_layer and a stack's final norm, checked once.")
+      .def(py::init<bool, bool, bool, int, const py::object&>(), py::arg("batch_first"),
+           py::arg("self_causal"), py::arg("cross_causal"), py::arg("precision") = 0,
+           py::arg("final_norm") = py::none())
+      .def_readonly("batch_first", &TransformerLayerOptions::batch_first)
+      .def_readonly("self_causal", &TransformerLayerOptions::self_causal)
+      .def_readonly("cross_causal", &TransformerLayerOptions::cross_causal)
+      .def_readonly("precision", &TransformerLayerOptions::precision);
   m.def(
       "transformer_layer",
       [](const TransformerLayerWeights& w, const py::array& x, const py::object& memory,
-         const py::object& self_masks, const py::object& cross_masks, bool batch_first,
-         bool self_causal, bool cross_causal, const py::object& final_norm,
-         const py::object& cache, const py::object& memory_kv, int precision) -> py::array {
-        return w.is_double()
-                   ? transformer_layer_typed<double>(w, x, memory, self_masks, cross_masks,
-                                                     batch_first, self_causal, cross_causal,
-                                                     final_norm, cache, memory_kv, precision)
-                   : transformer_layer_typed<float>(w, x, memory, self_masks, cross_masks,
-                                                    batch_first, self_causal, cross_causal,
-                                                    final_norm, cache, memory_kv, precision);
+         const py::object& self_masks, const py::object& cross_masks,
+         const TransformerLayerOptions& options, const py::object& lengths,
+         const py::object& step) -> py::array {
+        return w.is_double() ? transformer_layer_typed<double>(w, x, memory, self_masks,
+                                                               cross_masks, options, lengths, step)
+                             : transformer_layer_typed<float>(w, x, memory, self_masks,
+                                                              cross_masks, options, lengths, step);
       },
       py::arg("weights"), py::arg("x"), py::arg("memory"), py::arg("self_masks"),
-      py::arg("cross_masks"), py::arg("batch_first"), py::arg("self_causal"),
-      py::arg("cross_causal"), py::arg("final_norm"), py::arg("cache"), py::arg("memory_kv"),
-      py::arg("precision") = 0,
-      "One transformer layer: x (N, L, E), or (L, N, E) unless batch_first, in the weights'\n"
-      "dtype; memory likewise for decoder layers; the masks of each block None or\n"
-      "(attn_mask, key_padding_mask), each None or additive (N, H, L, S); final_norm None or\n"
-      "(weight, bias, eps). With a KVCache, one decoding step of the self-attention over it\n"
-      "(lengths grown on success) and memory_kv = the memory's projected (keys, values),\n"
-      "(N, H, S, E / H). Returns the layer's output in x's layout.");
+      py::arg("cross_masks"), py::arg("options"), py::arg("lengths") = py::none(),
+      py::arg("step") = py::none(),
+      "One transformer layer: x (N, L, E), or (L, N, E) unless options.batch_first, in the\n"
+      "weights' dtype; memory likewise for decoder layers; the masks of each block None or\n"
+      "(attn_mask, key_padding_mask), each None or additive (N, H, L, S); options a\n"
+      "TransformerLayerOptions. With lengths = (x lengths, memory lengths or None), int64\n"
+      "(N): x is (total, E), the real tokens of N sequences end to end (padding-free rows),\n"
+      "the memory packed likewise where its lengths are given; no masks then. With step =\n"
+      "(KVCache, memory_kv), one decoding step of the self-attention over the cache (lengths\n"
+      "grown on success), memory_kv = the memory's projected (keys, values), (N, H, S, E / H).\n"
+      "Returns the layer's output in x's layout.");
 }
 
 }  // namespace attnx::bindings

@@ -74,6 +74,7 @@ void self_attention(const TransformerLayerArgs<T>& a, const StridedView<const T,
   m.query = m.key = m.value = input;
   for (int k = 0; k < kMaxMasks; ++k) m.masks[k] = a.self_masks.masks[k];
   m.causal = a.self_masks.causal;
+  m.query_rows = m.key_rows = a.x_rows;
   m.out = rows_view(sub, N, L, E);
   m.precision = a.precision;
   mha_forward(m);
@@ -92,6 +93,8 @@ void cross_attention(const TransformerLayerArgs<T>& a, const StridedView<const T
   m.static_v = a.memory_values;
   for (int k = 0; k < kMaxMasks; ++k) m.masks[k] = a.cross_masks.masks[k];
   m.causal = a.cross_masks.causal;
+  m.query_rows = a.x_rows;
+  m.key_rows = a.memory_rows;
   m.out = rows_view(sub, input.shape[0], input.shape[1], input.shape[2]);
   m.precision = a.precision;
   mha_forward(m);

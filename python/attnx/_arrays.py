@@ -384,12 +384,11 @@ def as_positive_int(value, name: str) -> int:
 
 
 def check_heads(embed_dim: int, num_heads: int) -> int:
-    """The head dim, embed_dim // num_heads; ValueError unless num_heads divides embed_dim >= 1."""
-    if embed_dim < 1:
-        raise ValueError(f"embed_dim must be at least 1 (a multiple of num_heads = {num_heads}), got {embed_dim}")
-    if embed_dim % num_heads != 0:
-        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-    return embed_dim // num_heads
+    """The head dim, embed_dim // num_heads; ValueError unless num_heads divides embed_dim >= 1
+    (the rule of the core's weights, checked by them: ``_core.head_dim``)."""
+    from . import _core
+
+    return int(_core.head_dim(embed_dim, num_heads))
 
 
 def as_finite_scale(scale) -> float:

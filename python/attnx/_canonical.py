@@ -25,7 +25,6 @@ from ._arrays import (
     as_finite_scale,
     as_float,
     as_lengths,
-    check_heads,
     causal_mode,
     check_out,
     kernel_layout,
@@ -316,7 +315,7 @@ def mha_weights(p: dict, num_heads: int, E: int, dtype, result_dtype) -> "_core.
     `dtype` is the compute dtype (the parameters are converted to it) and `result_dtype` the
     dtype results are returned in.
     """
-    check_heads(E, num_heads)
+    # (That num_heads divides E is the core's own rule, checked by _core.MhaWeights.)
     projections = _projections(p, E, dtype)
     in_biases = None
     if p.get("in_proj_bias") is not None:
@@ -421,10 +420,14 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
     """The canonical call of multi-head attention's forward pass.
 
     ``extras`` is None or ``(attn_mask, key_padding_mask, static_k, static_v)`` as given.
-    Returns ``(query, key, value, attn_mask, key_padding_mask, static_k, static_v, finish)``:
-    (N, L, dim) operands in the weights' dtype, (N, H, L, S) additive masks and
-    (N, H, S, head_dim) static keys and values or None, and ``finish(out, weights)``, which
-    gives the result from the core's (out, weights) (unbatched, in the result's dtype).
+    Returns ``(query, key, value, attn_mask, key_padding_mask, static_k, static_v, finish,
+    key_lengths)``: (N, L, dim) operands in the weights' dtype, (N, H, L, S) additive masks and
+    (N, H, S, head_dim) static keys and values or None, ``finish(out, weights)``, which gives
+    the result from the core's (out, weights) (unbatched, in the result's dtype), and int64 (N)
+    key lengths or None: a key padding mask that pads only the end of each batch entry's keys
+    is given as their lengths (the padded keys are then never read), where the results are the
+    same (no attn_mask, nothing appended to the keys, and every entry with a key; the weights
+    of the padded keys are then 0, as the mask gives them).
     """
     attn_mask, key_padding_mask, static_k, static_v = (None,) * 4 if extras is None else extras
     # The masks as arrays before their ranks are read: a tensor subclass or another object whose
@@ -459,6 +462,11 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
     H = weights.num_heads
     static_k, static_v, S_src = _mha_statics(static_k, static_v, dtype, N, H, E // H, S)
     am, kpm = _mha_masks(attn_mask, key_padding_mask, dtype, batched, N, H, L, S_src)
+    key_lengths = None
+    if kpm is not None and am is None and not weights.bias_kv and not weights.add_zero_attn:
+        key_lengths = _trailing_padding(key_padding_mask if batched else key_padding_mask[None])
+        if key_lengths is not None:
+            kpm = None
     result_dtype = weights.dtype
 
     def finish(out, attn_weights):
@@ -471,7 +479,25 @@ def mha_call(weights, query, key, value, extras, options) -> tuple:
         return out, attn_weights
 
     q, k, v = (kernel_layout(x) for x in (q, k, v))
-    return q, k, v, am, kpm, static_k, static_v, finish
+    return q, k, v, am, kpm, static_k, static_v, finish, key_lengths
+
+
+def _trailing_padding(mask) -> "np.ndarray | None":
+    """Each row's count of keys before its padding, int64 (N), where a checked (N, S) key padding
+    mask (bool True or float -inf: padding; float 0: a key) pads only the end of each row and
+    leaves each row a key; else None."""
+    if mask.dtype == np.bool_:
+        padded = mask
+    elif np.all((mask == 0) | (mask == -np.inf)):
+        padded = mask == -np.inf
+    else:
+        return None
+    lengths = np.count_nonzero(~padded, axis=1).astype(np.int64)
+    if lengths.size == 0 or lengths.min() < 1:
+        return None
+    if not np.array_equal(padded, np.arange(padded.shape[1])[None, :] >= lengths[:, None]):
+        return None
+    return lengths
 
 
 # ---------------------------------------------------------------------------------------------

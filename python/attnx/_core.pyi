@@ -98,6 +98,7 @@ class MhaWeights:
     bias_kv: bool
     add_zero_attn: bool
 
+def head_dim(embed_dim: int, num_heads: int) -> int: ...
 def mha(
     weights: object,
     query: object,
@@ -137,19 +138,29 @@ class TransformerLayerWeights:
     decoder: bool
     is_double: bool
 
+class TransformerLayerOptions:
+    def __init__(
+        self,
+        batch_first: bool,
+        self_causal: bool,
+        cross_causal: bool,
+        precision: int = 0,
+        final_norm: tuple[Any, Any, float] | None = None,
+    ) -> None: ...
+    batch_first: bool
+    self_causal: bool
+    cross_causal: bool
+    precision: int
+
 def transformer_layer(
     weights: TransformerLayerWeights,
     x: npt.NDArray[np.floating[Any]],
     memory: npt.NDArray[np.floating[Any]] | None,
     self_masks: tuple[Any, Any] | None,
     cross_masks: tuple[Any, Any] | None,
-    batch_first: bool,
-    self_causal: bool,
-    cross_causal: bool,
-    final_norm: tuple[Any, Any, float] | None,
-    cache: object,
-    memory_kv: tuple[Any, Any] | None,
-    precision: int = 0,
+    options: TransformerLayerOptions,
+    lengths: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None] | None = None,
+    step: tuple[object, tuple[Any, Any] | None] | None = None,
 ) -> npt.NDArray[np.floating[Any]]: ...
 def active_isa() -> str: ...
 def cpu_isa() -> str: ...

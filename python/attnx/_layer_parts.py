@@ -647,12 +647,9 @@ def _detect_is_causal(mask: np.ndarray[Any, Any] | None, is_causal: Any, size: i
     -inf above it, 0 on and below it)."""
     if is_causal is not None:
         return as_bool_flag(is_causal, name)
-    if mask is None or mask.shape != (size, size):
-        return False
-    above = np.triu(np.ones((size, size), dtype=bool), 1)
-    if mask.dtype == np.bool_:
-        return bool((mask == above).all())
-    return bool((mask == np.where(above, -np.inf, 0.0)).all())
+    from . import _layers
+
+    return _layers.is_causal_mask(mask, size)
 
 
 def _xavier_uniform(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype[Any]) -> FloatArray:

@@ -366,7 +366,7 @@ class TransformerEncoderLayer(_TransformerLayer):
         Returns
         -------
         ndarray, the shape of ``src``
-            The output rows of padded positions are not specified.
+            The output rows of padded positions are 0.
 
         Raises
         ------
@@ -540,7 +540,7 @@ class TransformerDecoderLayer(_TransformerLayer):
         Returns
         -------
         ndarray, the shape of ``tgt``
-            The output rows of padded positions are not specified.
+            The output rows of padded positions are 0.
 
         Raises
         ------

@@ -563,10 +563,15 @@ class TransformerDecoderCache:
         if index is None:
             self._memory = None
 
-    def _memory_keys_values(self, memory: np.ndarray[Any, Any], owners: tuple[Any, ...], project: Any) -> list[Any]:
-        """Each layer's (keys, values) over `memory`: those kept if `memory` has the values of
-        the last one and `owners` (the layers' cross-attention parameters) are the same objects,
-        else ``project()``'s, kept from now on."""
+    def memory_keys_values(self, memory: np.ndarray[Any, Any], owners: tuple[Any, ...], project: Any) -> list[Any]:
+        """Each decoder layer's cross-attention (keys, values) over `memory`, as
+        :meth:`TransformerDecoder.step` reads them.
+
+        Those kept are returned if `memory` has the values of the last call's and `owners` (the
+        layers' cross-attention parameters and precisions) are the same objects; otherwise
+        ``project()`` makes them, and they are kept from now on (until :meth:`reset` empties
+        every sequence).
+        """
         kept = self._memory
         if kept is not None and kept[0].shape == memory.shape and kept[0].dtype == memory.dtype:
             if len(kept[1]) == len(owners) and all(a is b for a, b in zip(kept[1], owners)):

@@ -13,10 +13,17 @@ mode, as torch's, with torch's default ``dropout=0.1``, and a call in training m
 ``dropout > 0`` raises NotImplementedError: call ``.eval()`` first, as inference in torch
 needs too (or construct with ``dropout=0.0``).
 
-Outputs at padded positions (queries whose ``key_padding_mask`` marks them as padding) are
-not specified: torch's encoder zeroes them on its nested-tensor path, attnx computes them. A
-decoder that attends to an encoder's output should mask its padded positions
-(``memory_key_padding_mask``), as with torch.
+With a key padding mask (``src_key_padding_mask``, ``tgt_key_padding_mask``), the layers run on
+the real tokens only: a stack packs them once at its entry, every layer works on them, and it
+unpacks them once at its exit. The outputs at padded positions are exactly 0, as torch's
+nested-tensor path gives them (before a stack's final norm, which torch then applies to them).
+Padding may be anywhere in a sequence; a fully padded sequence gives zeros. Where the packed
+tokens cannot express a call (an attention mask other than the causal one, a float padding mask
+of other values than 0 and -inf, ``memory_mask`` or ``memory_is_causal`` with padding), the
+padded batch runs with its masks and the padded outputs are then set to 0. A
+``Transformer`` whose ``src`` is padded gives its decoder a memory with zero rows at the
+padding, which the cross-attention attends unless ``memory_key_padding_mask`` is given (then
+it reads the real memory rows only), as torch's nested-tensor encoder gives it.
 
 Masks are read as :class:`attnx.MultiheadAttention` reads them: a float mask is added to the
 scores. (torch's encoder fast path, taken in eval mode with ``batch_first``, an even ``nhead``
@@ -158,7 +165,8 @@ class TransformerEncoder(_Stack):
     norm : LayerNorm, optional
         Applied to the last layer's output (an ``attnx.transformer.LayerNorm``).
     enable_nested_tensor : bool, default True
-        torch's argument, kept as an attribute; it changes nothing (attnx has no nested tensors).
+        torch's argument, kept as an attribute; it changes nothing (attnx always runs a padded
+        batch on its real tokens, as torch's nested tensors do).
     mask_check : bool, default True
         torch's argument, kept as an attribute; it changes nothing.
     precision : {None, "float32", "bfloat16"}, default None
@@ -232,7 +240,7 @@ class TransformerEncoder(_Stack):
         Returns
         -------
         ndarray, the shape of ``src``
-            The output rows of padded positions are not specified.
+            The output rows of padded positions are 0.
 
         Examples
         --------
@@ -259,13 +267,9 @@ class TransformerEncoder(_Stack):
         causal = _detect_is_causal(attn_mask, is_causal, L, "is_causal")
         for layer in self.layers:
             layer._check_inference()
-        codes = _precisions(self.layers, precision)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            # The final norm goes into the last layer's call (one pass over its rows).
-            x = _layers.encoder_layer(layer, x, attn_mask, padding, causal, self.norm if i == last else None,
-                                      precision=codes[i])
-        return x
+        # The final norm goes into the last layer's call (one pass over its rows).
+        return _layers.encode(self.layers, self.norm, x, attn_mask, padding, causal,
+                              _precisions(self.layers, precision))
 
     @classmethod
     def from_torch(cls, module: Any, *, activation: str | ActivationFunction | None = None,
@@ -414,12 +418,8 @@ class TransformerDecoder(_Stack):
         memory_causal = as_bool_flag(memory_is_causal, "memory_is_causal")
         for layer in self.layers:
             layer._check_inference()
-        codes = _precisions(self.layers, precision)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = _layers.decoder_layer(layer, x, mem, *masks, causal, memory_causal, self.norm if i == last else None,
-                                      precision=codes[i])
-        return x
+        return _layers.decode(self.layers, self.norm, x, mem, *masks, causal, memory_causal,
+                              _precisions(self.layers, precision))
 
     def new_cache(self, batch: int, max_len: int, dtype: npt.DTypeLike = np.float32) -> TransformerDecoderCache:
         """A decoding state for :meth:`step`: room for ``max_len`` tokens of ``batch`` sequences.
@@ -751,7 +751,7 @@ class Transformer(_Module):
         Returns
         -------
         ndarray, the shape of ``tgt``
-            In the model's dtype. The output rows of padded positions are not specified.
+            In the model's dtype. The output rows of ``tgt``'s padded positions are 0.
 
         Examples
         --------

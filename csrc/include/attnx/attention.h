@@ -170,6 +170,18 @@ struct MhaParams {
   }
 };
 
+// Sequences whose rows lie end to end in one array (the layers' padding-free
+// rows): sequence b is rows [starts[b], starts[b] + lengths[b]). Order-
+// preserving, so a causal rule over a sequence's rows is the causal rule of
+// its real tokens.
+struct PackedRows {
+  int64_t count = 0;                  // sequences
+  const int64_t* starts = nullptr;    // (count), nondecreasing
+  const int64_t* lengths = nullptr;   // (count), each >= 0
+  int64_t max_length = 0;             // the largest length
+  bool present() const { return starts != nullptr; }
+};
+
 template <typename T>
 struct MhaArgs : MhaParams<T> {
   StridedView<const T, 3> query;  // (N, L, E), last dim contiguous
@@ -180,6 +192,15 @@ struct MhaArgs : MhaParams<T> {
   StridedView<const T, 4> masks[kMaxMasks];  // (N, H, L, S_src) additive
   bool causal = false;        // over the S_src source keys
   bool bottom_right = false;  // causal diagonal: key i + S_src - L (else key i)
+  // Optional (N): batch n's keys are its first key_lengths[n] (the rest are
+  // never read: a key padding mask of trailing padding); needs S' == S_src.
+  const int64_t* key_lengths = nullptr;
+  // Packed queries: query and out are (1, total, E), the rows of
+  // query_rows.count = N sequences end to end. The keys and values are then
+  // either packed likewise (key_rows: (1, total_k, kdim)) or (N, S, kdim).
+  // Packed calls take no masks, static keys, appended keys or weights; the
+  // causal rule is top-left within each sequence.
+  PackedRows query_rows, key_rows;
   StridedView<T, 3> out;  // (N, L, E_out), last dim contiguous
   // Optional, C-contiguous: (N, L, S') averaged over heads or (N, H, L, S').
   T* weights = nullptr;

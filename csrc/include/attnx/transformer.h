@@ -66,6 +66,11 @@ struct TransformerLayerArgs {
   StridedView<const T, 3> x;       // (N, L, E), last dim contiguous
   StridedView<const T, 3> memory;  // decoder layers: (N, S, E), last dim contiguous
   BlockMasks<T> self_masks, cross_masks;
+  // Padding-free rows: where x_rows is present, x and out are (1, total, E),
+  // the real tokens of x_rows.count sequences end to end (no masks then; the
+  // causal rules hold within each sequence). The memory is then either
+  // packed likewise (memory_rows: (1, total_memory, E)) or (N, S, E).
+  PackedRows x_rows, memory_rows;
   // Decoding: the self-attention is one step over this cache (mha_step:
   // bottom-right causal, the new keys and values appended, the lengths grown
   // when the step succeeds) and needs no masks; the cross-attention reads
