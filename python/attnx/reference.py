@@ -92,6 +92,17 @@ def _as_float(array, dtype, name):
     return array.astype(dtype, copy=False)
 
 
+def _operands(query, key, value, precision, ndim, what):
+    """(q, k, v, compute dtype): the operands of a call in its compute dtype, each of `ndim`
+    dimensions (ValueError saying `what` otherwise); the precision checked against the dtype."""
+    dtype = _compute_dtype(query)
+    precision_code(precision, dtype)
+    q, k, v = (_as_float(x, dtype, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
+    if q.ndim != ndim or k.ndim != ndim or v.ndim != ndim:
+        raise ValueError(f"query, key and value must be {what}, got {q.shape}, {k.shape}, {v.shape}")
+    return q, k, v, dtype
+
+
 def _round_bfloat16(x):
     """``x`` rounded to the nearest bfloat16, ties to even, as a float32 array.
 
@@ -821,13 +832,7 @@ def cached_attention(
     >>> bool(np.allclose(out[:1], full))     # sequence 0: its 2 newest of 5 tokens
     True
     """
-    dtype = _compute_dtype(query)
-    precision_code(precision, dtype)
-    q = _as_float(query, dtype, "query")
-    k = _as_float(key, dtype, "key")
-    v = _as_float(value, dtype, "value")
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"query, key and value must be 4-D, got {q.shape}, {k.shape}, {v.shape}")
+    q, k, v, dtype = _operands(query, key, value, precision, 4, "4-D")
     batch, _, tgt_len, _ = q.shape
     src_len = k.shape[2]
     key_lengths = np.asarray(key_lengths)
@@ -899,13 +904,7 @@ def varlen_attention(
     ...                                                                      is_causal=True)))
     True
     """
-    dtype = _compute_dtype(query)
-    precision_code(precision, dtype)
-    q = _as_float(query, dtype, "query")
-    k = _as_float(key, dtype, "key")
-    v = _as_float(value, dtype, "value")
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(f"query, key and value must be 3-D (total, H, E), got {q.shape}, {k.shape}, {v.shape}")
+    q, k, v, dtype = _operands(query, key, value, precision, 3, "3-D (total, H, E)")
     cu_q = np.asarray(cu_seqlens_q)
     cu_k = cu_q if cu_seqlens_k is None else np.asarray(cu_seqlens_k)
     if cu_q.shape != cu_k.shape or cu_q.ndim != 1 or cu_q[0] != 0 or cu_k[0] != 0:
