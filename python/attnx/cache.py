@@ -571,6 +571,21 @@ class TransformerDecoderCache:
         layers' cross-attention parameters and precisions) are the same objects; otherwise
         ``project()`` makes them, and they are kept from now on (until :meth:`reset` empties
         every sequence).
+
+        Parameters
+        ----------
+        memory : ndarray
+            The memory the decoder attends, in the layers' layout and dtype.
+        owners : tuple
+            What the kept keys and values were made from: each layer's cross-attention
+            parameters and precision, compared by identity.
+        project : callable
+            ``project()`` returns the list of (keys, values), one pair per layer.
+
+        Returns
+        -------
+        list
+            One (keys, values) pair per layer.
         """
         kept = self._memory
         if kept is not None and kept[0].shape == memory.shape and kept[0].dtype == memory.dtype:
