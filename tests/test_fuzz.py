@@ -219,7 +219,7 @@ def test_oracle_judges_list_inputs_by_their_values():
 
 
 @pytest.mark.parametrize("entry", ["sdpa", "varlen"])
-def test_a_softcap_past_float32_range_is_refused_or_has_no_effect(entry):
+def test_a_softcap_past_float32_range_has_no_effect(entry):
     """Found by the fuzzer (fuzz_varlen): ``softcap=1e39`` (any finite value past float32's
     largest, 3.4e38) gave NaN everywhere in a float32 computation (the cap rounded to Inf:
     Inf * tanh(s / Inf) = NaN) where the float64 reference gives the result without a cap.
@@ -227,11 +227,7 @@ def test_a_softcap_past_float32_range_is_refused_or_has_no_effect(entry):
     q = np.random.default_rng(0).standard_normal((5, 2, 8)).astype(np.float32)  # (tokens, H, E)
     call = {"sdpa": lambda **kw: attnx.scaled_dot_product_attention(*(q.transpose(1, 0, 2),) * 3, **kw),
             "varlen": lambda **kw: attnx.varlen_attention(q, q, q, [0, 2, 5], **kw)}[entry]
-    try:
-        got = call(softcap=1e39)
-    except ValueError:
-        return
-    np.testing.assert_allclose(got, call(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(call(softcap=1e39), call(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("entry", ["sdpa", "varlen"])
