@@ -901,7 +901,9 @@ def fuzz_varlen(p: Provider):
     for name in ("query", "key", "value"):
         if p.bool(0.2):
             args[name] = relayout(p, args[name])
-    n_mut = p.choice([0, 0, 1, 1, 1, 2, 3])
+    # Most calls unmutated: most mutations here make errors (the offsets'), and the oracle
+    # must still compare results on a fair share of the inputs.
+    n_mut = p.choice([0, 0, 0, 0, 1, 1, 2])
     names = ["query", "key", "value", "cu_seqlens_q", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k", "heads",
              "is_causal", "scale", "window", "softcap", "precision", "out"]
     others = 0  # mutations other than of the offsets and the head counts (judged by their values)
