@@ -204,6 +204,8 @@ def test_int32_offsets_and_lists_are_accepted():
     ([0, 3, 8], None, "cu_seqlens_q: must end at 7"),
     ([0, 3, 7], [0, 7], "cu_seqlens_q and cu_seqlens_k: 2 and 1 sequences"),
     ([0, 3, 7], [0, 2, 9], "cu_seqlens_k: must end at 7, the key's rows, got 9"),
+    ([0, 3, -2**63], None, "cu_seqlens_q: must not decrease, got 3 then -9223372036854775808"),
+    ([0, 2**63 - 1, 7], None, "cu_seqlens_q: must not decrease, got 9223372036854775807 then 7"),
     ([], None, "cu_seqlens_q: expected \\(batch \\+ 1\\) offsets starting at 0"),
     ([[0, 3, 7]], None, "cu_seqlens_q must be 1-D"),
 ])

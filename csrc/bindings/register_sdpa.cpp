@@ -343,12 +343,14 @@ std::vector<int64_t> sequence_lengths(const py::array& cu, const char* name, int
   if (v.data[0] != 0)
     throw py::value_error(n + ": must start at 0, got " + std::to_string(v.data[0]));
   std::vector<int64_t> lengths(size_t(v.shape[0] - 1));
+  // Compared before subtracting: from 0 and never decreasing, every offset is >= 0 and each
+  // difference fits (an offset of INT64_MIN after 200 would overflow it).
   for (int64_t b = 0; b + 1 < v.shape[0]; ++b) {
-    lengths[size_t(b)] = v.data[b + 1] - v.data[b];
-    if (lengths[size_t(b)] < 0)
+    if (v.data[b + 1] < v.data[b])
       throw py::value_error(n + ": must not decrease, got " + std::to_string(v.data[b]) +
                             " then " + std::to_string(v.data[b + 1]) + " at index " +
                             std::to_string(b + 1));
+    lengths[size_t(b)] = v.data[b + 1] - v.data[b];
   }
   if (v.data[v.shape[0] - 1] != rows)
     throw py::value_error(n + ": must end at " + std::to_string(rows) + ", the " + rows_of +
