@@ -188,31 +188,13 @@ struct FiniteRows {
     heads = Hk, keys = S_read;
     flags.resize(size_t(B * Hk * S_read));
     const int64_t ld = a.value.stride(2), Ev = a.value.shape(3);
-    // Where a batch's value rows of every head lie back to back ((S, Hk, Ev),
-    // as packed sequences are), one pass over them all finds the common case,
-    // every value finite, at the memory's speed; only a batch that holds a
-    // non-finite value is then checked row by row.
-    const bool dense = Hk == 1 ? ld == Ev : a.value.stride(1) == Ev && ld == Hk * Ev;
-    const auto check_rows = [&](int64_t b, int64_t h) {
-      const T* rows = a.value.native.at(b, h);
-      uint8_t* f = flags.data() + (b * Hk + h) * S_read;
+    parallel_for(B * Hk, nthreads, Schedule::kStatic, [&](int64_t bh) {
+      const T* rows = a.value.native.at(bh / Hk, bh % Hk);
+      uint8_t* f = flags.data() + bh * S_read;
       // Packed, keys past the batch's are another's: never read, flagged finite.
-      const int64_t n = std::min(S_read, key_rows(a, b));
+      const int64_t n = std::min(S_read, key_rows(a, bh / Hk));
       for (int64_t j = 0; j < n; ++j) f[j] = kt.all_finite(rows + j * ld, 0, 1, Ev) ? 1 : 0;
       std::fill(f + n, f + S_read, uint8_t(1));
-    };
-    if (!dense) {
-      parallel_for(B * Hk, nthreads, Schedule::kStatic,
-                   [&](int64_t bh) { check_rows(bh / Hk, bh % Hk); });
-      return;
-    }
-    parallel_for(B, nthreads, Schedule::kStatic, [&](int64_t b) {
-      const int64_t n = std::min(S_read, key_rows(a, b));
-      if (kt.all_finite(a.value.native.at(b, 0), 0, 1, n * Hk * Ev)) {
-        std::fill_n(flags.data() + b * Hk * S_read, Hk * S_read, uint8_t(1));
-        return;
-      }
-      for (int64_t h = 0; h < Hk; ++h) check_rows(b, h);
     });
   }
   // Whether rows [start, start + n) of (b, h) are all finite: from the
