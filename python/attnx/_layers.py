@@ -191,8 +191,13 @@ def _zero_padded(out: np.ndarray[Any, Any], padded: np.ndarray[Any, Any] | None,
     return out
 
 
-def _all_real(padded: np.ndarray[Any, Any] | None) -> bool:
-    return padded is None or not padded.any()
+def _padding(mask: Any) -> tuple[Any, np.ndarray[Any, Any] | None]:
+    """(mask, its padded positions): both None where there is no mask, or where a packable mask
+    pads nothing (it then changes nothing, and the call is a full batch's)."""
+    padded = _padded(mask)
+    if mask is not None and not padded.any() and _packable_padding(mask):
+        return None, None
+    return mask, padded
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,10 +215,8 @@ def encode(layers: list[Any], norm: Any, src: np.ndarray[Any, Any], attn_mask: A
     N, L = _batch(src, batch_first)
     weights = [layer_weights(layer) for layer in layers]
     last = len(layers) - 1
-    padded = _padded(src_key_padding_mask)
+    src_key_padding_mask, padded = _padding(src_key_padding_mask)
     causal_mask = attn_mask is not None and is_causal_mask(attn_mask, L)
-    if _all_real(padded) and src_key_padding_mask is not None and _packable_padding(src_key_padding_mask):
-        src_key_padding_mask = padded = None  # no padding: the mask changes nothing
     reason = ""
     if padded is not None:
         if not _packable_padding(src_key_padding_mask):
@@ -255,12 +258,8 @@ def decode(layers: list[Any], norm: Any, tgt: np.ndarray[Any, Any], memory: np.n
     weights = [layer_weights(layer) for layer in layers]
     H = weights[0].num_heads
     last = len(layers) - 1
-    tgt_padded, memory_padded = _padded(tgt_key_padding_mask), _padded(memory_key_padding_mask)
-    if _all_real(tgt_padded) and tgt_key_padding_mask is not None and _packable_padding(tgt_key_padding_mask):
-        tgt_key_padding_mask = tgt_padded = None
-    if (_all_real(memory_padded) and memory_key_padding_mask is not None
-            and _packable_padding(memory_key_padding_mask)):
-        memory_key_padding_mask = memory_padded = None
+    tgt_key_padding_mask, tgt_padded = _padding(tgt_key_padding_mask)
+    memory_key_padding_mask, memory_padded = _padding(memory_key_padding_mask)
     causal_mask = tgt_mask is not None and is_causal_mask(tgt_mask, L)
     reason = ""
     if tgt_padded is not None or memory_padded is not None:
