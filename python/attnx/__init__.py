@@ -19,6 +19,9 @@ cached_attention, multi_head_attention_step
     multi-head self-attention.
 varlen_attention
     Attention of sequences packed end to end (ragged batches, no padding).
+RotaryEmbedding
+    Rotary position embeddings with Hugging Face transformers' conventions
+    (``cached_attention(..., rope=)`` applies one).
 set_num_threads, get_num_threads, show_config
     Threads, the SIMD kernel in use, and how this attnx was built.
 reference
@@ -60,6 +63,7 @@ from .functional import (
 )
 from .modules import MultiheadAttention
 from .ragged import varlen_attention
+from .rotary import RotaryEmbedding
 from .transformer import (
     Transformer,
     TransformerDecoder,
@@ -76,6 +80,7 @@ __version__: str = _core.__version__
 __all__ = [
     "KVCache",
     "MultiheadAttention",
+    "RotaryEmbedding",
     "Transformer",
     "TransformerDecoder",
     "TransformerDecoderCache",
