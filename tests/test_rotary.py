@@ -180,8 +180,12 @@ def test_gptj_interleaved_partial_is_transformers(transformers, torch, rng, dtyp
     # transformers' table: sin and cos of float32(p) * inv_freq, side by side.
     table = module.embed_positions.numpy()
     expected_sin, expected_cos = np.split(table[positions], 2, axis=-1)
-    cos, sin = rope._cos_sin(positions)
+    cos, sin = rope._compute(positions)
     assert ulps(cos, expected_cos) <= 1 and ulps(sin, expected_sin) <= 1
+    # The full-width factors: each dimension's cosine, and the sine as it multiplies the other.
+    wide_cos, wide_sin = rope._cos_sin(positions)
+    assert np.array_equal(wide_cos[:, 0::2], cos) and np.array_equal(wide_cos[:, 1::2], cos)
+    assert np.array_equal(wide_sin[:, 0::2], -sin) and np.array_equal(wide_sin[:, 1::2], sin)
 
     xt = _to_torch(torch, x)[None]                   # (batch, T, heads, D): GPT-J's layout
     sin_t, cos_t = module(xt, torch.from_numpy(positions)[None])
@@ -304,7 +308,7 @@ def test_tables_give_what_computing_gives(rng, monkeypatch):
         assert np.array_equal(decoder(x[p:p + 1], [p]), prefill[p:p + 1])
     assert len(decoder._tables[0]) >= 300
     cos, sin = rope._cos_sin(positions)
-    fresh = rope._compute(positions)
+    fresh = rope._spread(*rope._compute(positions))
     assert np.array_equal(cos, fresh[0]) and np.array_equal(sin, fresh[1])
     # Positions past what the tables hold are computed for the call, with the same values.
     monkeypatch.setattr(rotary_module, "_TABLE_ENTRIES", 32 * 128)
