@@ -25,7 +25,7 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   const int64_t j_begin = chunks == 1 ? 0 : chunk * kKeyChunk;
   const int64_t j_end = chunks == 1 ? S_read : std::min(S_read, j_begin + kKeyChunk);
   T* states = chunks == 1 ? nullptr : c.states;
-  const int64_t Hq = a.query.shape[1], L = a.query.shape[2], E = a.query.shape[3];
+  const int64_t Hq = a.query.shape[1], E = a.query.shape[3];
   const int64_t Ev = a.value.shape(3), group = Hq / a.key.shape(1);
   const int64_t rows = r1 - r0;
   T* tile = scratch;                      // rows x kKeyBlock scores
@@ -163,7 +163,8 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   if (states) {
     const int64_t state_size = Ev + 3;
     for (int64_t r = 0; r < rows; ++r) {
-      T* state = states + (((b * Hq + head[r]) * L + row[r]) * chunks + chunk) * state_size;
+      T* state =
+          states + (((b * Hq + head[r]) * c.plan.L + row[r]) * chunks + chunk) * state_size;
       state[0] = m[r], state[1] = l[r], state[2] = open[r] ? T(1) : T(0);
       std::copy_n(acc + r * Ev, Ev, state + 3);
     }
