@@ -434,3 +434,28 @@ def test_a_mixed_step_equals_its_prefill_and_decode_rows_called_apart(dtype):
             assert_identical(out[cu[i]:cu[i + 1]], alone)
             k, v = gathered(cache, seqs[i])
             assert_close(out[cu[i]:cu[i + 1]], expected_rows(q[cu[i]:cu[i + 1]], k, v, options), f32, atol=5e-6)
+
+
+def test_a_step_that_fails_after_appending_takes_its_rows_back(monkeypatch):
+    """Anything raised once the rows are appended (here: by the core) undoes the append: the
+    lengths, block tables, reference counts and free blocks are as before the call."""
+    rng = np.random.default_rng(10)
+    cache = attnx.PagedKVCache(12, 4, 1, 8)
+    a = cache.add_sequence()
+    cache.append([a], randn(rng, (6, 1, 8), f32), randn(rng, (6, 1, 8), f32), [6])
+    b = cache.fork(a)  # a's second block is shared and partly filled: a write copies it
+    before = [(cache.length(s), cache.block_table(s).tolist()) for s in (a, b)], cache.free_blocks
+
+    def broken(*args):
+        raise MemoryError("no memory for the states")
+
+    monkeypatch.setattr(attnx.paged._core, "paged_attention", broken)
+    with pytest.raises(MemoryError):
+        attnx.paged_attention(randn(rng, (7, 1, 8), f32), cache, [a, b], [6, 1],
+                              randn(rng, (7, 1, 8), f32), randn(rng, (7, 1, 8), f32))
+    assert ([(cache.length(s), cache.block_table(s).tolist()) for s in (a, b)], cache.free_blocks) == before
+    monkeypatch.undo()
+    # The pool works on as if the call never happened: both sides still share the block.
+    cache.append([a, b], randn(rng, (2, 1, 8), f32), randn(rng, (2, 1, 8), f32), [1, 1])
+    assert cache.free_blocks == before[1] - 1
+    check_accounting(cache)
