@@ -19,20 +19,16 @@ the blocks no other sequence holds). A result must equal ``attnx.reference.varle
 Mutations: a malformed query, key, value or ``out=`` (``malformed``); malformed handles
 (duplicates, removed or unknown ones, non-ints, a scalar, a string), ``query_lens`` (lists,
 other integer dtypes, negative, huge, the wrong count, more rows than a sequence holds; past
-uint64's half, wrapping to the row count, under ATTNX_FUZZ_STRICT=1) and ``positions``
+uint64's half, wrapping to the row count) and ``positions``
 (judged by their values: valid ones must compute, invalid ones raise); and bad options. A call
 that raises -- an invalid one, a full pool -- must change nothing: not a byte of the pool or of
 its scales, not a length, a block table, the free count or the live handles.
-
-The bugs of attnx these checks found and that are not fixed yet are listed in KNOWN_BUGS:
-their outcomes are counted and let pass, unless ATTNX_FUZZ_STRICT=1.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import os
 from collections import Counter
 
 import numpy as np
@@ -48,34 +44,6 @@ from .common import (
 )
 
 WHAT = "paged_attention"
-
-# Bugs of attnx these checks find, tolerated (and counted, as "KNOWN BUG tolerated: ...") so that
-# the fixed-seed runs stay green until they are fixed; ATTNX_FUZZ_STRICT=1 fails on them.
-STRICT = os.environ.get("ATTNX_FUZZ_STRICT", "") == "1"
-KNOWN_BUGS = {
-    # paged_attention(..., precision="bfloat16") over a bfloat16 pool: a sequence past its first
-    # block with two key heads, or one that is not the first of the call, gets wrong results
-    # (off by up to ~2 for N(0, 1) values; the same rows in a float32 pool give the right ones).
-    "bfloat16 pool, bfloat16 products": "wrong results",
-    # An int8 pool quantizes keys and values with a kernel that needs aligned rows: a misaligned
-    # (valid) key or value raises ValueError "src: the array is not aligned".
-    "int8 pool, misaligned rows": "ValueError for a valid layout",
-    # query_lens (or append's counts) of uint64 at or past 2**63 pass the ">= 0" check and wrap
-    # to negative counts; a sum that wraps to the row count passes the shape check, and the
-    # append then changes the cache before it raises (ValueError, or IndexError from an empty
-    # free list). Drawn only under ATTNX_FUZZ_STRICT=1: what it leaves behind breaks the steps
-    # after it.
-    "wrapping query_lens": "the cache changed before an error",
-}
-
-
-def tolerated(bug: str) -> bool:
-    """Whether an outcome of the known bug `bug` is let pass (counted) rather than failed."""
-    if STRICT:
-        return False
-    OUTCOMES[f"{WHAT}: KNOWN BUG tolerated: {bug} ({KNOWN_BUGS[bug]})"] += 1
-    return True
-
 
 # ---------------------------------------------------------------------------------------------
 # The cache as it is, and as it should be
@@ -271,7 +239,7 @@ def malformed_lens(p: Provider, lens):
         a[0] -= 1
         a[-1] += 1 if a.size > 1 else 0
         return a
-    if kind == 1 and a.size > 1 and STRICT:  # wrapping past uint64: the same sum modulo 2**64 (a known bug)
+    if kind == 1 and a.size > 1:  # wrapping past uint64: the same sum modulo 2**64
         u = a.astype(np.uint64)
         u[0] += np.uint64(p.choice([1, 2**32, 2**63]))
         with np.errstate(all="ignore"):
@@ -589,8 +557,6 @@ def judge(p: Provider, cache, mirror, removed, args, kwargs, invalid, others, n_
                 raise Disallowed(f"{WHAT}: a full pool raised {LAST_ERROR[0]}, not CacheFullError")
             OUTCOMES["paged_attention: CacheFullError, nothing changed"] += 1
         elif valid and others == 0:
-            if cache.dtype == I8 and "not aligned" in LAST_MESSAGE[0] and tolerated("int8 pool, misaligned rows"):
-                return
             raise Disallowed(f"{WHAT}: a valid call raised {LAST_ERROR[0]}: {LAST_MESSAGE[0]}")
         elif valid and LAST_ERROR[0] is attnx.CacheFullError and not full:
             raise Disallowed(f"{WHAT}: CacheFullError with {cache.free_blocks} blocks free for {needed} needed")
@@ -665,8 +631,4 @@ def judge(p: Provider, cache, mirror, removed, args, kwargs, invalid, others, n_
         tolerance = bf16_tolerance([vp])
         if result_dtype.itemsize == 2:  # and the result's own rounding
             tolerance["rtol"] += TOL[result_dtype]["rtol"]
-    try:
-        compare(got, expected, result_dtype, WHAT, [q_used, kp, vp, np.asarray(scale)], moderate, tolerance)
-    except AssertionError:
-        if not (cache.dtype == BF16 and bf16 and tolerated("bfloat16 pool, bfloat16 products")):
-            raise
+    compare(got, expected, result_dtype, WHAT, [q_used, kp, vp, np.asarray(scale)], moderate, tolerance)
