@@ -107,27 +107,28 @@ struct RowReader {
 };
 
 template <typename T>
-RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_t b, int64_t h) {
+[[gnu::always_inline]] inline RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt,
+                                                    int64_t b, int64_t h) {
   RowReader<T> r;
   r.ld = v.stride(2);
   r.dim = v.shape(3);
-  // Paged: row 0 of block 0 of head h; the block table leads on.
-  const int64_t batch = v.paged.present() ? 0 : b;
-  if (v.paged.present()) {
+  // Paged: from row 0 of block 0 of head h, where the block table leads.
+  if (__builtin_expect(v.paged.present(), 0)) {
     r.blocks = v.paged.blocks + b * v.paged.stride;
     r.block_size = v.paged.block_size;
     r.block_stride = v.stride(0);
+    r.scales_block_stride = v.scales.stride[0];
+    b = 0;
   }
   if (v.storage == Storage::kNative) {
-    r.native = v.native.at(batch, h);
+    r.native = v.native.at(b, h);
   } else if constexpr (std::is_same_v<T, float>) {
     if (v.storage == Storage::kInt8) {
-      r.q8 = v.q8.at(batch, h);
-      r.scales = v.scales.at(batch, h);
-      r.scales_block_stride = v.scales.stride[0];
+      r.q8 = v.q8.at(b, h);
+      r.scales = v.scales.at(b, h);
       r.widen_int8 = kt.widen_int8;
     } else {
-      r.bits = v.bits.at(batch, h);
+      r.bits = v.bits.at(b, h);
       r.bits_kind = v.storage == Storage::kFloat16 ? 0 : 1;
       r.widen = v.storage == Storage::kFloat16 ? kt.widen_float16 : kt.widen_bfloat16;
     }

@@ -17,6 +17,7 @@
 // Each output row is computed by one thread in a fixed order, so results do
 // not depend on the thread count.
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
@@ -148,6 +149,18 @@ struct SdpaPart {
   const int64_t* query_lengths = nullptr;
 };
 
+constexpr int kMaxParts = 2;  // a call's plans: one, or a paged step's two (run_split)
+
+// A part as it runs: its context and its tasks.
+template <typename T>
+struct PartRun {
+  SdpaContext<T> context;
+  SdpaTasks tasks;
+  PartRun(const SdpaContext<T>& c, int64_t B, int64_t L, const int64_t* query_lengths,
+          const int64_t* key_lengths)
+      : context(c), tasks(c.plan, B, L, query_lengths, key_lengths) {}
+};
+
 template <typename T>
 void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* parts, int count,
                const Bf16Operands* bf16);
@@ -233,7 +246,7 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
     aligned_values[i].data = reinterpret_cast<T*>((start + 63) / 64 * 64);
     aligned_values[i].ld = first.values_ld;
   }
-  T* states[2] = {};
+  T* states[kMaxParts] = {};
   T* next_states = scratch + size_t(nthreads) * scratch_per_thread;
   for (int p = 0; p < count; ++p) {
     states[p] = next_states;
@@ -244,17 +257,15 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
     finite_values.take(a, kt, parts[0].call.B, parts[0].call.Hk, parts[0].call.S_read, nthreads);
   MaskBlockMap<T> mask_blocks;
   if (first.mask_blocks) mask_blocks.build(a, kt, kt.query_tile, nthreads);
-  std::vector<SdpaContext<T>> contexts;
-  std::vector<SdpaTasks> tasks;
-  contexts.reserve(size_t(count));
-  tasks.reserve(size_t(count));
+  // In place, not on the heap: a small call pays no allocation for them.
+  std::optional<PartRun<T>> runs[kMaxParts];
   int64_t total = 0;
   for (int p = 0; p < count; ++p) {
-    contexts.push_back(SdpaContext<T>{a, kt, parts[p].plan, finite_values, mask_blocks,
-                                      states[p], bf16});
-    tasks.emplace_back(parts[p].plan, parts[p].call.B, parts[p].call.L, parts[p].query_lengths,
-                       parts[p].query_lengths ? a.range.key_lengths : nullptr);
-    total += tasks.back().count();
+    runs[p].emplace(SdpaContext<T>{a, kt, parts[p].plan, finite_values, mask_blocks, states[p],
+                                   bf16},
+                    parts[p].call.B, parts[p].call.L, parts[p].query_lengths,
+                    parts[p].query_lengths ? a.range.key_lengths : nullptr);
+    total += runs[p]->tasks.count();
   }
 
   // Each thread runs a contiguous share of the tasks, in which a head's tasks
@@ -265,11 +276,11 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
   // head's time at the end (see docs/tuning.md).
   parallel_for(total, nthreads, Schedule::kBalanced, [&](int64_t t) {
     int p = 0;
-    while (t >= tasks[size_t(p)].count()) t -= tasks[size_t(p++)].count();
-    const SdpaContext<T>& context = contexts[size_t(p)];
+    while (t >= runs[p]->tasks.count()) t -= runs[p++]->tasks.count();
+    const SdpaContext<T>& context = runs[p]->context;
     const SdpaPlan& plan = context.plan;
     T* my_scratch = scratch + current_thread() * scratch_per_thread;
-    const SdpaTask task = tasks[size_t(p)].at(t);
+    const SdpaTask task = runs[p]->tasks.at(t);
     const int64_t b = task.b, h = task.h, c = task.c;
     const int64_t qb = task.qg * plan.group;
     const int64_t r0 = qb * plan.rows_per_task;
@@ -297,7 +308,7 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
     const int64_t state_size = plan.state_size;
     const int64_t* lengths = parts[p].query_lengths;
     const T* part_states = states[p];
-    const SdpaTasks& part_tasks = tasks[size_t(p)];
+    const SdpaTasks& part_tasks = runs[p]->tasks;
     parallel_for(parts[p].call.B * Hq * L, nthreads, Schedule::kStatic, [&](int64_t row) {
       const int64_t bh = row / L, i = row % L;
       // Packed: rows past the sequence's are another's (or another part's).

@@ -217,6 +217,36 @@ const T* bf16_rounded_rows(const SdpaContext<T>& c, const T* v, int64_t ld, int6
 
 // The tile's keys in the chunk [c0, c1): its blocks added into the chunk's
 // accumulator, which is then merged into the total.
+// A paged cache's native keys' scores, read in place block by block (the
+// scores of a key do not depend on the keys beside it). Out of line: the
+// flash chunk's loop stays as small as without paging.
+template <typename T>
+[[gnu::noinline]] void paged_scores(const KernelTable<T>& kt, const RowReader<T>& keys,
+                                    const FlashTile<T>& t, int64_t start, int64_t n, int64_t E,
+                                    T* st) {
+  const int qt = kt.query_tile;
+  keys.for_each_run(start, n, [&](int64_t j, int64_t count) {
+    kt.gemm(count, t.lanes, E, keys.native + keys.offset(j), keys.ld, 1, t.q_t, qt,
+            st + (j - start) * qt, qt, GemmInit::kZero, nullptr);
+  });
+}
+
+// A paged cache's native values times the probabilities, in place block by
+// block: the first block starts the sum as one call would, the others add
+// to it.
+template <typename T>
+[[gnu::noinline]] void paged_values(const KernelTable<T>& kt, const RowReader<T>& values,
+                                    int64_t rows, int64_t start, int64_t n, int64_t Ev, int qt,
+                                    const T* st, bool first_block, const T* alpha, T* o) {
+  values.for_each_run(start, n, [&](int64_t j, int64_t count) {
+    const GemmInit init = j > start      ? GemmInit::kAccumulate
+                          : first_block ? GemmInit::kZero
+                                        : GemmInit::kScaleRows;
+    kt.gemm(rows, Ev, count, st + (j - start) * qt, 1, qt, values.native + values.offset(j),
+            values.ld, o, Ev, init, alpha);
+  });
+}
+
 template <typename T>
 void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int64_t c1,
                        T* scratch, bool ask_ahead, const AlignedValues<T>* aligned_values) {
@@ -261,13 +291,8 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     int64_t ldk, ldv;
     if (c.bf16) {
       bf16_scores(c, t, kv_head, start, n, st);
-    } else if (keys.blocks && !keys.stored()) {
-      // A paged cache's keys, read in place block by block (the scores of a
-      // key do not depend on the keys beside it).
-      keys.for_each_run(start, n, [&](int64_t j, int64_t count) {
-        kt.gemm(count, t.lanes, E, keys.native + keys.offset(j), keys.ld, 1, t.q_t, qt,
-                st + (j - start) * qt, qt, GemmInit::kZero, nullptr);
-      });
+    } else if (__builtin_expect(keys.blocks && !keys.stored(), 0)) {
+      paged_scores(kt, keys, t, start, n, E, st);
     } else if (const T* kb = keys.rows(start, n, k_buf, ldk); ask_ahead) {
       LineRange value_lines = stored_row_lines(a.value, b, kv_head, start, n);
       const int64_t pieces = (n + kAheadKeysPerPiece - 1) / kAheadKeysPerPiece;
@@ -298,18 +323,8 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
       first_block = false;
       continue;
     }
-    if (!c.bf16 && !any_closed && values.blocks && !values.stored()) {
-      // A paged cache's values, in place block by block: the first block
-      // starts the sum as one call would, the others add to it.
-      values.for_each_run(start, n, [&](int64_t j, int64_t count) {
-        const bool first_run = j == start;
-        kt.gemm(rows, Ev, count, st + (j - start) * qt, 1, qt, values.native + values.offset(j),
-                values.ld, o, Ev,
-                !first_run ? GemmInit::kAccumulate
-                : first_block ? GemmInit::kZero
-                              : GemmInit::kScaleRows,
-                alpha);
-      });
+    if (__builtin_expect(!c.bf16 && !any_closed && values.blocks && !values.stored(), 0)) {
+      paged_values(kt, values, rows, start, n, Ev, qt, st, first_block, alpha, o);
       first_block = false;
       continue;
     }
