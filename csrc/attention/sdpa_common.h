@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -16,7 +17,9 @@
 namespace attnx::sdpa {
 
 // Rows of one (b, head) of the keys or the values, as T: read in place, or
-// widened from 16-bit or int8 storage into a buffer one block at a time.
+// widened from 16-bit or int8 storage into a buffer one block at a time. In
+// a paged cache the rows lie in runs of consecutive rows, one per block of
+// the pool (run()); elsewhere all the rows are one run.
 template <typename T>
 struct RowReader {
   const T* native = nullptr;
@@ -27,30 +30,59 @@ struct RowReader {
   int64_t ld = 0, dim = 0;
   void (*widen)(const uint16_t*, int64_t, float*) = nullptr;
   void (*widen_int8)(const int8_t*, int64_t, T, T*) = nullptr;
+  // Paged: the batch's block table, rows per block, and the distance from
+  // one block to the next (storage elements; scales).
+  const int32_t* blocks = nullptr;
+  int64_t block_size = 0, block_stride = 0, scales_block_stride = 0;
 
   // Whether the rows are read in place by the kernels that take the storage
   // itself (16-bit or int8), rather than as T.
   bool stored() const { return bits || q8; }
 
-  // Rows [j0, j0 + n); sets row_stride. buf holds n * dim values.
-  const T* rows(int64_t j0, int64_t n, T* buf, int64_t& row_stride) const {
-    if (!stored()) {
-      row_stride = ld;
-      return native + j0 * ld;
+  // Where row j starts, in storage elements from row 0 of block 0.
+  int64_t offset(int64_t j) const {
+    return blocks ? blocks[j / block_size] * block_stride + (j % block_size) * ld : j * ld;
+  }
+  const float* scale_of(int64_t j) const {
+    return scales + (blocks ? blocks[j / block_size] * scales_block_stride + j % block_size : j);
+  }
+  // The rows from j on that lie one after another (ld apart).
+  int64_t run(int64_t j) const {
+    return blocks ? block_size - j % block_size : std::numeric_limits<int64_t>::max();
+  }
+  // Calls f(j, n) for the runs of rows [j0, j0 + count), in order.
+  template <typename F>
+  void for_each_run(int64_t j0, int64_t count, F&& f) const {
+    for (int64_t j = j0, end = j0 + count; j < end;) {
+      const int64_t n = std::min(end - j, run(j));
+      f(j, n);
+      j += n;
     }
-    if constexpr (std::is_same_v<T, float>) {
-      if (q8) {
-        for (int64_t j = 0; j < n; ++j)
-          widen_int8(q8 + (j0 + j) * ld, dim, scales[j0 + j], buf + j * dim);
-      } else {
-        const uint16_t* src = bits + j0 * ld;
-        if (ld == dim) {
-          widen(src, n * dim, buf);
+  }
+
+  // Rows [j0, j0 + n); sets row_stride. buf holds n * dim values: native
+  // rows of one run are read in place, others are copied or widened there.
+  const T* rows(int64_t j0, int64_t n, T* buf, int64_t& row_stride) const {
+    if (!stored() && run(j0) >= n) {
+      row_stride = ld;
+      return native + offset(j0);
+    }
+    for_each_run(j0, n, [&](int64_t j, int64_t count) {
+      T* dst = buf + (j - j0) * dim;
+      if (!stored()) {
+        for (int64_t i = 0; i < count; ++i) std::copy_n(native + offset(j + i), dim, dst + i * dim);
+      } else if constexpr (std::is_same_v<T, float>) {
+        if (q8) {
+          const int8_t* src = q8 + offset(j);
+          const float* s = scale_of(j);
+          for (int64_t i = 0; i < count; ++i) widen_int8(src + i * ld, dim, s[i], dst + i * dim);
+        } else if (const uint16_t* src = bits + offset(j); ld == dim) {
+          widen(src, count * dim, dst);
         } else {
-          for (int64_t j = 0; j < n; ++j) widen(src + j * ld, dim, buf + j * dim);
+          for (int64_t i = 0; i < count; ++i) widen(src + i * ld, dim, dst + i * dim);
         }
       }
-    }
+    });
     row_stride = dim;
     return buf;
   }
@@ -61,15 +93,23 @@ RowReader<T> row_reader(const StoredView<T>& v, const KernelTable<T>& kt, int64_
   RowReader<T> r;
   r.ld = v.stride(2);
   r.dim = v.shape(3);
+  // Paged: row 0 of block 0 of head h; the block table leads on.
+  const int64_t batch = v.paged.present() ? 0 : b;
+  if (v.paged.present()) {
+    r.blocks = v.paged.blocks + b * v.paged.stride;
+    r.block_size = v.paged.block_size;
+    r.block_stride = v.stride(0);
+  }
   if (v.storage == Storage::kNative) {
-    r.native = v.native.at(b, h);
+    r.native = v.native.at(batch, h);
   } else if constexpr (std::is_same_v<T, float>) {
     if (v.storage == Storage::kInt8) {
-      r.q8 = v.q8.at(b, h);
-      r.scales = v.scales.at(b, h);
+      r.q8 = v.q8.at(batch, h);
+      r.scales = v.scales.at(batch, h);
+      r.scales_block_stride = v.scales.stride[0];
       r.widen_int8 = kt.widen_int8;
     } else {
-      r.bits = v.bits.at(b, h);
+      r.bits = v.bits.at(batch, h);
       r.bits_kind = v.storage == Storage::kFloat16 ? 0 : 1;
       r.widen = v.storage == Storage::kFloat16 ? kt.widen_float16 : kt.widen_bfloat16;
     }
@@ -105,10 +145,21 @@ LineRange row_lines(const T* first_row, int64_t ld, int64_t rows, int64_t cols) 
 }
 
 // The cache lines of rows j0 .. j0 + rows - 1 of (b, h) of a key or value
-// array, as it is stored.
+// array, as it is stored; paged, of those in j0's block.
 template <typename T>
 LineRange stored_row_lines(const StoredView<T>& v, int64_t b, int64_t h, int64_t j0,
                            int64_t rows) {
+  if (v.paged.present()) {
+    const int64_t bs = v.paged.block_size;
+    rows = std::min(rows, bs - j0 % bs);
+    const int64_t offset = v.paged.blocks[b * v.paged.stride + j0 / bs] * v.stride(0) +
+                           h * v.stride(1) + (j0 % bs) * v.stride(2);
+    if (v.storage == Storage::kNative)
+      return row_lines(v.native.data + offset, v.native.stride[2], rows, v.native.shape[3]);
+    if (v.storage == Storage::kInt8)
+      return row_lines(v.q8.data + offset, v.q8.stride[2], rows, v.q8.shape[3]);
+    return row_lines(v.bits.data + offset, v.bits.stride[2], rows, v.bits.shape[3]);
+  }
   if (v.storage == Storage::kNative)
     return row_lines(v.native.at(b, h, j0), v.native.stride[2], rows, v.native.shape[3]);
   if (v.storage == Storage::kInt8)
@@ -185,6 +236,7 @@ struct FiniteRows {
   template <typename T>
   void take(const SdpaArgs<T>& a, const KernelTable<T>& kt, int64_t B, int64_t Hk,
             int64_t S_read, int nthreads) {
+    if (a.value.paged.present()) return;  // paged: checked block by block instead
     heads = Hk, keys = S_read;
     flags.resize(size_t(B * Hk * S_read));
     const int64_t ld = a.value.stride(2), Ev = a.value.shape(3);

@@ -11,6 +11,7 @@ namespace py = pybind11;
 namespace attnx::bindings {
 void register_mha(py::module_& m);
 void register_mha_testing(py::module_& testing);
+void register_paged(py::module_& m);
 void register_runtime(py::module_& m);
 void register_sdpa(py::module_& m);
 void register_sdpa_testing(py::module_& testing);
@@ -33,6 +34,7 @@ PYBIND11_MODULE(_core, m) {
     throw py::error_already_set();
   }
   attnx::bindings::register_mha(m);
+  attnx::bindings::register_paged(m);
   attnx::bindings::register_runtime(m);
   attnx::bindings::register_sdpa(m);
   attnx::bindings::register_transformer(m);

@@ -19,6 +19,8 @@ cached_attention, multi_head_attention_step
     multi-head self-attention.
 varlen_attention
     Attention of sequences packed end to end (ragged batches, no padding).
+PagedKVCache, paged_attention, CacheFullError
+    Many sequences in one pool of cache blocks; one step of continuous batching over it.
 set_num_threads, get_num_threads, show_config
     Threads, the SIMD kernel in use, and how this attnx was built.
 reference
@@ -59,6 +61,7 @@ from .functional import (
     scaled_dot_product_attention,
 )
 from .modules import MultiheadAttention
+from .paged import CacheFullError, PagedKVCache, paged_attention
 from .ragged import varlen_attention
 from .transformer import (
     Transformer,
@@ -74,8 +77,10 @@ from typing import TYPE_CHECKING  # noqa: E402
 __version__: str = _core.__version__
 
 __all__ = [
+    "CacheFullError",
     "KVCache",
     "MultiheadAttention",
+    "PagedKVCache",
     "Transformer",
     "TransformerDecoder",
     "TransformerDecoderCache",
@@ -86,6 +91,7 @@ __all__ = [
     "get_num_threads",
     "multi_head_attention_forward",
     "multi_head_attention_step",
+    "paged_attention",
     "reference",
     "scaled_dot_product_attention",
     "set_num_threads",

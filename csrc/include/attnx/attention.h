@@ -23,8 +23,22 @@ inline constexpr int kMaxMasks = 2;
 // its own float32 scale (element = scale * q), dequantized as loaded.
 enum class Storage : uint8_t { kNative, kFloat16, kBFloat16, kInt8 };
 
+// Keys and values kept in a pool of fixed-size blocks (a paged cache): batch
+// b's row j lies in row j % block_size of block blocks[b * stride + j /
+// block_size]. A StoredView with a block table has the shape (B, H, capacity,
+// D), capacity the rows a table reaches, and its dim-0 stride (and its scales' dim-0 stride) steps
+// from one block of the pool to the next; the bindings check that every
+// entry a batch's key length reaches names a block of the pool.
+struct BlockTable {
+  const int32_t* blocks = nullptr;  // (B, stride)
+  int64_t stride = 0;               // entries from one batch's table to the next
+  int64_t block_size = 0;           // rows per block
+  bool present() const { return blocks != nullptr; }
+};
+
 // Keys or values, (B, H, S, D) with the last dim contiguous: elements of T,
-// 16-bit floats or int8 with a scale per row (T = float only).
+// 16-bit floats or int8 with a scale per row (T = float only); in place, or
+// in the blocks of a pool (paged).
 template <typename T>
 struct StoredView {
   StridedView<const T, 4> native;       // when storage == kNative
@@ -32,6 +46,7 @@ struct StoredView {
   StridedView<const int8_t, 4> q8;      // kInt8
   StridedView<const float, 3> scales;   // kInt8: (B, H, S), row j's scale
   Storage storage = Storage::kNative;
+  BlockTable paged;  // present: rows in a pool's blocks (see BlockTable)
 
   static StoredView of(const StridedView<const T, 4>& v) {
     StoredView s;
