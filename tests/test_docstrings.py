@@ -24,6 +24,7 @@ MODULES = [
     "attnx.functional",
     "attnx.modules",
     "attnx.reference",
+    "attnx.rotary",
     "attnx.transformer",
     "attnx._transformer_layers",
     "attnx._layer_parts",

@@ -21,6 +21,9 @@ varlen_attention
     Attention of sequences packed end to end (ragged batches, no padding).
 PagedKVCache, paged_attention, CacheFullError
     Many sequences in one pool of cache blocks; one step of continuous batching over it.
+RotaryEmbedding
+    Rotary position embeddings with Hugging Face transformers' conventions
+    (``cached_attention(..., rope=)`` applies one).
 set_num_threads, get_num_threads, show_config
     Threads, the SIMD kernel in use, and how this attnx was built.
 reference
@@ -63,6 +66,7 @@ from .functional import (
 from .modules import MultiheadAttention
 from .paged import CacheFullError, PagedKVCache, paged_attention
 from .ragged import varlen_attention
+from .rotary import RotaryEmbedding
 from .transformer import (
     Transformer,
     TransformerDecoder,
@@ -81,6 +85,7 @@ __all__ = [
     "KVCache",
     "MultiheadAttention",
     "PagedKVCache",
+    "RotaryEmbedding",
     "Transformer",
     "TransformerDecoder",
     "TransformerDecoderCache",

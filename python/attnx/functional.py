@@ -29,6 +29,7 @@ from ._canonical import (
     sdpa_options,
 )
 from ._arrays import (
+    as_array,
     as_bool_flag,
     as_lengths,
     as_finite_scale,
@@ -43,6 +44,7 @@ from ._arrays import (
     window_bounds,
 )
 from .cache import KVCache
+from .rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -446,6 +448,8 @@ def cached_attention(
     value: npt.ArrayLike | None = None,
     *,
     lengths: npt.ArrayLike | None = None,
+    rope: RotaryEmbedding | None = None,
+    positions: npt.ArrayLike | None = None,
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
@@ -483,6 +487,16 @@ def cached_attention(
         ``value``, also how many of them are appended. Output rows
         ``t >= n_b`` are zeros. Each ``n_b`` must not exceed the sequence's
         length in the cache (after appending).
+    rope : RotaryEmbedding, optional, keyword-only
+        Rotary position embeddings: the queries, and the new keys before they
+        are stored, are rotated at their positions (the cache holds rotated
+        keys, as transformers' caches do; it is never rotated again). Query
+        ``t`` of sequence ``b`` is at position ``lengths_b - n_b + t``, its
+        place in the cache. ``rope.head_dim`` must equal ``head_dim``.
+    positions : array_like of int, shape (batch, T), optional, keyword-only
+        With ``rope``: the positions to rotate at instead (e.g. positions that
+        do not start at 0, or that skip), ``>= 0`` for the valid tokens; those
+        of padding tokens (``t >= n_b``) are ignored.
     scale : float, optional, keyword-only
         Defaults to ``1 / sqrt(head_dim)``.
     window : tuple (left, right), optional, keyword-only
@@ -514,6 +528,16 @@ def cached_attention(
     >>> k = v = np.ones((1, 2, 1, 8), np.float32)
     >>> attnx.cached_attention(q[:, :, :1], cache, k, v).shape   # then one token at a time
     (1, 4, 1, 8)
+
+    With rotary position embeddings, the new keys are stored rotated:
+
+    >>> rope = attnx.RotaryEmbedding(8)
+    >>> cache = attnx.KVCache(1, 2, 64, 8)
+    >>> k = v = np.ones((1, 2, 5, 8), np.float32)
+    >>> attnx.cached_attention(q, cache, k, v, rope=rope).shape
+    (1, 4, 5, 8)
+    >>> bool(np.array_equal(cache.key[0, :, 3], rope(k[0, :, 3][None], [3])[0]))   # key 3 at position 3
+    True
     """
     cache = check_cache(cache)
     result_dtype, _ = result_and_compute_dtype(query)
@@ -538,6 +562,8 @@ def cached_attention(
                     f"{name} {shape_str(shape)}"
                 )
     n = _query_lengths(lengths, B, T)
+    if rope is None and positions is not None:
+        raise ValueError("positions are the rotary positions: pass them with rope=")
     window_left, window_right = window_bounds(window)
     scale = (1.0 / math.sqrt(E)) if scale is None else as_finite_scale(scale)
     # Made before anything is appended: a call the core's options refuse changes nothing.
@@ -548,16 +574,66 @@ def cached_attention(
     else:
         check_out(out, result_shape, result_dtype, (query, key, value) + cache.storage()[:2] + tuple(cache.scales() or ()))
 
-    if key is not None:
-        cache.append(key, value, None if lengths is None else n)
-    elif (n > cache.lengths).any():
+    if key is None and (n > cache.lengths).any():
         raise ValueError(
             f"lengths {n.tolist()} (query tokens per sequence) exceed the cache's lengths "
             f"{cache.lengths.tolist()}: the query tokens must be the newest tokens in the cache "
             f"(pass key and value to append them)"
         )
+    if rope is not None:
+        # Rotated before anything is appended: a call that raises leaves the cache as it was.
+        q, key = _rotate_new(rope, q, key, n, cache, positions)
+    if key is not None:
+        cache.append(key, value, None if lengths is None else n)
     _attend_cache(q, cache, n, options, out)
     return out
+
+
+def _rotate_new(rope: Any, q: np.ndarray, key: Any, n: IntArray, cache: KVCache, positions: Any) -> tuple[Any, Any]:
+    """The queries (B, Hq, T, E) and new keys (B, Hk, T, E) rotated at their positions.
+
+    Token t of sequence b is at ``lengths_b - n_b + t`` once its key is in the cache
+    (``lengths_b`` after the append), or at ``positions[b, t]`` where given. Padding
+    tokens (t >= n_b) are rotated at position 0: they are neither stored nor attended
+    from. Only the new rows are rotated, never the cache.
+    """
+    if not isinstance(rope, RotaryEmbedding):
+        raise TypeError(f"rope must be an attnx.RotaryEmbedding or None, got {type(rope).__name__}")
+    B, _, T, E = q.shape
+    if rope.head_dim != E:
+        raise ValueError(
+            f"rope.head_dim ({rope.head_dim}) must equal the head_dim of the query and cache ({E}): "
+            f"make the RotaryEmbedding with head_dim={E}"
+        )
+    valid = np.arange(T) < n[:, None]
+    if positions is None:
+        after = cache.lengths + (n if key is not None else 0)
+        p = (after - n)[:, None] + np.arange(T)
+    else:
+        p = as_array(positions, "positions")
+        if p.dtype.kind not in "iu":
+            raise TypeError(f"positions must be an array of integers, got dtype {p.dtype}")
+        if p.shape != (B, T):
+            raise ValueError(
+                f"positions must have shape (batch, T) = ({B}, {T}), one per query token, got {shape_str(p.shape)}"
+            )
+        if (p[valid] < 0).any():
+            raise ValueError(f"positions of the valid query tokens must be >= 0, got {p.tolist()}")
+    p = np.where(valid, p, 0).astype(np.int64)
+    cos, sin = rope._cos_sin(p)              # (B, T, rotary_dim // 2)
+    cos, sin = cos[:, None], sin[:, None]    # broadcast over the heads
+    q = rope._rotate(q, cos, sin)
+    if key is not None:
+        k = as_array(key, "key")
+        result_dtype, _ = result_and_compute_dtype(k, "key")
+        k = as_float(k, result_dtype, "key")
+        if k.ndim != 4 or k.shape[0] != B or k.shape[3] != E:
+            raise ValueError(
+                f"key must have shape (batch, num_kv_heads, T, head_dim) = ({B}, {cache.num_kv_heads}, {T}, {E}), "
+                f"got {shape_str(k.shape)}"
+            )
+        key = rope._rotate(k, cos, sin)
+    return q, key
 
 
 def multi_head_attention_step(

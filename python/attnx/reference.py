@@ -20,6 +20,9 @@ The semantics are PyTorch's (``torch.nn.functional.scaled_dot_product_attention`
   right)``; both are attnx additions (torch expresses them with explicit masks).
 * :func:`cached_attention` is attention over per-sequence prefixes of a key/value store, as
   :func:`attnx.cached_attention` computes it over an :class:`attnx.KVCache`.
+* :func:`rotary_embedding` rotates queries or keys by their positions, as
+  :class:`attnx.RotaryEmbedding` does (transformers' ``apply_rotary_pos_emb``), in float64 from
+  given frequencies.
 * :func:`transformer_encoder_layer` and :func:`transformer_decoder_layer` are one layer of
   ``torch.nn.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` (their attention blocks
   are :func:`multi_head_attention_forward`, with its rules above), and :func:`layer_norm` is
@@ -58,6 +61,7 @@ __all__ = [
     "multi_head_attention_forward",
     "cached_attention",
     "varlen_attention",
+    "rotary_embedding",
     "layer_norm",
     "transformer_encoder_layer",
     "transformer_decoder_layer",
@@ -921,6 +925,67 @@ def varlen_attention(
             is_causal=is_causal, scale=scale, enable_gqa=True, window=window, softcap=softcap,
             precision=precision)
         out[rows] = heads.transpose(1, 0, 2)
+    return out
+
+
+def rotary_embedding(
+    x: npt.ArrayLike,
+    positions: npt.ArrayLike,
+    inv_freq: npt.ArrayLike,
+    rotary_dim: int,
+    interleaved: bool = False,
+    attention_scaling: float = 1.0,
+) -> Any:
+    """Reference rotary position embedding: each pair of dimensions turned by its angle, in float64.
+
+    Pair ``i`` of a row at position ``p`` turns by ``p * inv_freq[i]``: ``(a, b)`` becomes
+    ``(a cos - b sin, b cos + a sin)``, with cos and sin times ``attention_scaling``. Pair ``i``
+    is dimensions ``(i, i + rotary_dim / 2)``, or ``(2i, 2i + 1)`` when ``interleaved``;
+    dimensions from ``rotary_dim`` on are copied unchanged.
+
+    Parameters
+    ----------
+    x : array_like, shape ``(total, H, D)``
+    positions : array_like of int, shape ``(total,)``
+    inv_freq : array_like, shape ``(rotary_dim // 2,)``
+        The frequencies, e.g. :attr:`attnx.RotaryEmbedding.inv_freq`.
+    rotary_dim : int
+        Even, at most ``D``.
+    interleaved : bool, default False
+    attention_scaling : float, default 1.0
+
+    Returns
+    -------
+    ndarray, shape ``(total, H, D)``, float64
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import reference
+    >>> x = np.array([[[1.0, 0.0, 2.0, 0.0]]])
+    >>> out = reference.rotary_embedding(x, [2], inv_freq=[np.pi / 4], rotary_dim=2)
+    >>> np.round(out, 6).tolist()      # dims 0 and 1 turn by pi / 2; dims 2 and 3 pass
+    [[[0.0, 1.0, 2.0, 0.0]]]
+    """
+    x = np.array(x, dtype=np.float64)
+    positions = np.asarray(positions)
+    freq = np.asarray(inv_freq, dtype=np.float64)
+    if x.ndim != 3 or positions.shape != (x.shape[0],):
+        raise ValueError("x must be (total, H, D) and positions (total,)")
+    if rotary_dim % 2 or not 0 < rotary_dim <= x.shape[2] or freq.shape != (rotary_dim // 2,):
+        raise ValueError("rotary_dim must be even, in (0, D], with rotary_dim // 2 frequencies")
+    half = rotary_dim // 2
+    if interleaved:
+        first, second = np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
+    else:
+        first, second = np.arange(half), np.arange(half, rotary_dim)
+    out = x.copy()
+    for row in range(x.shape[0]):
+        angles = float(positions[row]) * freq
+        cos, sin = np.cos(angles) * attention_scaling, np.sin(angles) * attention_scaling
+        a, b = x[row][:, first], x[row][:, second]
+        out[row][:, first] = a * cos - b * sin
+        out[row][:, second] = b * cos + a * sin
     return out
 
 
