@@ -30,6 +30,7 @@ instead of failing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -299,6 +300,57 @@ def check(path: str, requests: list, exact: bool) -> bool:
     return equal == len(requests) or not exact
 
 
+def blas_threads(n):
+    """NumPy's matmuls limited to ``n`` threads too, where threadpoolctl is installed: a BLAS
+    that starts threads of its own beside attnx's oversubscribes the cores."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(n, user_api="blas") if n else contextlib.nullcontext()
+
+
+def run(args, tmp: str) -> int:
+    config = dict(CONFIG, num_hidden_layers=args.layers)
+    path = os.path.join(tmp, "model.safetensors")
+    maker = make_model(path, config, args.seed)
+    model = load_model(path)
+    rng = np.random.default_rng(args.seed)
+    requests = make_requests(rng, args.requests, args.max_new_tokens, config["vocab_size"])
+    answered = [r for r in requests if r.max_new_tokens > 0]
+
+    # The pool holds every request at its longest at once: a block per block_size tokens,
+    # rounded up per request.
+    blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // args.block_size) for r in requests)
+    caches = model.new_caches(blocks, args.block_size, args.cache_dtype)
+    start = time.perf_counter()
+    steps = serve(model, caches, requests, args.prefill_chunk)
+    seconds = time.perf_counter() - start
+    generated = sum(len(r.tokens) for r in answered)
+    prompt = sum(len(r.prompt) - (len(r.parent.prompt) if r.parent else 0) for r in requests)
+    print(f"model made by {maker}: {args.layers} layers, hidden {config['hidden_size']}, "
+          f"vocab {config['vocab_size']}; cache {args.cache_dtype}, {blocks} blocks of {args.block_size}")
+    print(f"{len(answered)} requests, {steps} steps: {prompt} prompt tokens and {generated} generated "
+          f"in {seconds:.3f} s, {generated / seconds:.1f} generated tokens/s")
+    assert all(cache.free_blocks == blocks and not cache.sequences for cache in caches)
+    if args.save_tokens:
+        with open(args.save_tokens, "w") as f:
+            json.dump([{"prompt": r.prompt, "tokens": r.tokens} for r in answered], f)
+
+    if args.check is False:
+        return 0
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        if args.check:
+            print("--check needs transformers and torch", file=sys.stderr)
+            return 2
+        print("transformers is not installed: no comparison")
+        return 0
+    return 0 if check(path, answered, exact=args.cache_dtype == "float32") else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
@@ -313,48 +365,14 @@ def main(argv=None) -> int:
                         help="compare with transformers (default: where it is installed)")
     parser.add_argument("--save-tokens", metavar="FILE.json", help="write each request's prompt and tokens")
     args = parser.parse_args(argv)
-    if args.threads:
-        attnx.set_num_threads(args.threads)
-
-    config = dict(CONFIG, num_hidden_layers=args.layers)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.safetensors")
-        maker = make_model(path, config, args.seed)
-        model = load_model(path)
-        rng = np.random.default_rng(args.seed)
-        requests = make_requests(rng, args.requests, args.max_new_tokens, config["vocab_size"])
-        answered = [r for r in requests if r.max_new_tokens > 0]
-
-        # The pool holds every request at its longest at once: a block per block_size tokens,
-        # rounded up per request.
-        blocks = sum(-(-(len(r.prompt) + r.max_new_tokens) // args.block_size) for r in requests)
-        caches = model.new_caches(blocks, args.block_size, args.cache_dtype)
-        start = time.perf_counter()
-        steps = serve(model, caches, requests, args.prefill_chunk)
-        seconds = time.perf_counter() - start
-        generated = sum(len(r.tokens) for r in answered)
-        prompt = sum(len(r.prompt) for r in requests if r.parent is None)
-        print(f"model made by {maker}: {args.layers} layers, hidden {config['hidden_size']}, "
-              f"vocab {config['vocab_size']}; cache {args.cache_dtype}, {blocks} blocks of {args.block_size}")
-        print(f"{len(answered)} requests, {steps} steps: {prompt} prompt tokens and {generated} generated "
-              f"in {seconds:.3f} s, {generated / seconds:.1f} generated tokens/s")
-        assert all(cache.free_blocks == blocks and not cache.sequences for cache in caches)
-        if args.save_tokens:
-            with open(args.save_tokens, "w") as f:
-                json.dump([{"prompt": r.prompt, "tokens": r.tokens} for r in answered], f)
-
-        if args.check is False:
-            return 0
-        try:
-            import torch  # noqa: F401
-            import transformers  # noqa: F401
-        except ImportError:
-            if args.check:
-                print("--check needs transformers and torch", file=sys.stderr)
-                return 2
-            print("transformers is not installed: no comparison")
-            return 0
-        return 0 if check(path, answered, exact=args.cache_dtype == "float32") else 1
+    threads = attnx.get_num_threads()
+    try:
+        if args.threads:
+            attnx.set_num_threads(args.threads)
+        with blas_threads(args.threads), tempfile.TemporaryDirectory() as tmp:
+            return run(args, tmp)
+    finally:
+        attnx.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def test_greedy_tokens_and_logits_equal_transformers(arch, monkeypatch):
           f"logits' max relative error {worst:.2e}")
 
 
-@pytest.mark.parametrize("dtype, bound", [("float16", 1e-2), ("int8", 5e-2)])
+@pytest.mark.parametrize("dtype, bound", [("float16", 1e-2), ("int8", 1e-1)])
 def test_lossy_cache_dtypes_on_llama(dtype, bound):
     # A float16 or int8 cache rounds the keys and values: the logits move a little, and a token
     # may legitimately differ where transformers' top two logits are closer than that. Up to a
