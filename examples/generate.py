@@ -247,7 +247,9 @@ def serve(model, caches: list, requests: list, prefill_chunk: int = 32) -> int:
 
 def make_requests(rng: np.random.Generator, n: int, max_new_tokens: int, vocab: int) -> list:
     """``n`` requests of random prompts (4 to 48 tokens), arriving two steps apart, each asking
-    for 1 to ``max_new_tokens`` tokens; requests 0 and 1 have the same prompt, prefilled once."""
+    for ``max_new_tokens // 2`` to ``max_new_tokens`` tokens (at least 1). Requests 0 and 1 arrive
+    together with the same prompt: a parent request holding all of it but its last token is
+    prefilled once and forked for both (appended last)."""
     requests = []
     for i in range(n):
         prompt = rng.integers(0, vocab, size=int(rng.integers(4, 49))).tolist()
@@ -360,7 +362,7 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=32, help="prompt tokens per step, at most")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="attnx's threads (default: its own)")
+    parser.add_argument("--threads", type=int, default=None, help="attnx's threads, and NumPy's BLAS's where threadpoolctl is installed")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                         help="compare with transformers (default: where it is installed)")
     parser.add_argument("--save-tokens", metavar="FILE.json", help="write each request's prompt and tokens")
