@@ -36,8 +36,9 @@ void for_float_blocks(const SdpaArgs<float>& a, const StoredView<float>& v,
   const int64_t S = v.shape(2), D = v.shape(3);
   const int64_t blocks = (S + kConvertRows - 1) / kConvertRows;
   const int nthreads = threads_for(kConvertWork * double(Bx * Hx * S * D));
-  std::vector<float> widened(v.storage == Storage::kNative ? 0
-                                                           : size_t(nthreads * kConvertRows * D));
+  // Native rows are read in place, unless a block of them spans blocks of a pool.
+  const bool in_place = v.storage == Storage::kNative && !v.paged.present();
+  std::vector<float> widened(in_place ? 0 : size_t(nthreads * kConvertRows * D));
   parallel_for(Bx * Hx * blocks, nthreads, Schedule::kStatic, [&](int64_t t) {
     const int64_t bh = t / blocks, j0 = (t % blocks) * kConvertRows;
     const int64_t n = std::min(kConvertRows, S - j0);

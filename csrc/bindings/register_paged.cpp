@@ -27,7 +27,22 @@ namespace {
 // of T, or, for a float32 call, float16 / bfloat16, or int8 with a float32
 // scale per row in `scales` (num_blocks, H, block_size).
 template <typename T>
+StoredView<T> pool_view_of(const py::array& pool, const char* name, const OptArray& scales);
+
+// ... with the pool's dim-0 strides as they are: a pool of one block has
+// one too (read as 0, as for other arrays of extent 1, it would say that
+// every sequence's rows are the same rows).
+template <typename T>
 StoredView<T> pool_view(const py::array& pool, const char* name, const OptArray& scales) {
+  StoredView<T> v = pool_view_of<T>(pool, name, scales);
+  const int64_t blocks = pool.strides(0) / pool.itemsize();
+  v.native.stride[0] = v.bits.stride[0] = v.q8.stride[0] = blocks;
+  if (v.storage == Storage::kInt8) v.scales.stride[0] = scales->strides(0) / 4;
+  return v;
+}
+
+template <typename T>
+StoredView<T> pool_view_of(const py::array& pool, const char* name, const OptArray& scales) {
   if (pool.ndim() != 4)
     throw py::value_error(std::string(name) +
                           ": expected a pool (num_blocks, num_kv_heads, block_size, dim), got " +

@@ -50,6 +50,17 @@ class CacheFullError(ValueError):
         Blocks the append needed.
     free : int
         Blocks that were free.
+
+    Examples
+    --------
+    >>> import numpy as np, attnx
+    >>> cache = attnx.PagedKVCache(num_blocks=2, block_size=4, num_kv_heads=1, head_dim=8)
+    >>> seq = cache.add_sequence()
+    >>> try:
+    ...     cache.append([seq], np.ones((9, 1, 8)), np.ones((9, 1, 8)), [9])
+    ... except attnx.CacheFullError as error:
+    ...     print(error.needed, error.free, cache.length(seq))
+    3 2 0
     """
 
     def __init__(self, message: str, needed: int, free: int) -> None:
