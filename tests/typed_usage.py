@@ -7,7 +7,7 @@ documentation promises: ``is_causal="bottom_right"``, ``dtype=np.float16``, and 
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -106,6 +106,26 @@ def decode() -> None:
     assert lengths_ref.shape == (2, 4, 1, 8)
 
 
+def rotary() -> None:
+    rope = attnx.RotaryEmbedding(16, 500000.0, rotary_dim=8, interleaved=False,
+                                 scaling={"rope_type": "linear", "factor": 2.0})
+    x = np.ones((3, 2, 16), np.float32)
+    rotated: npt.NDArray[np.floating[Any]] = rope(x, np.arange(3))
+    freq: npt.NDArray[np.floating[Any]] = rope.inv_freq
+    scaling: Optional[Dict[str, Any]] = rope.scaling
+    dims: int = rope.head_dim + rope.rotary_dim
+    assert rotated.shape == x.shape and freq.shape == (4,) and scaling is not None and dims == 24
+    assert rope.base == 500000.0 and not rope.interleaved and rope.attention_scaling == 1.0
+    gptj = attnx.RotaryEmbedding.from_config({"model_type": "gptj", "n_embd": 64, "n_head": 4, "rotary_dim": 8})
+    assert gptj.interleaved and gptj.head_dim == 16
+    cache = attnx.KVCache(1, 2, 16, 16)
+    k = np.ones((1, 2, 3, 16), np.float32)
+    out = attnx.cached_attention(np.ones((1, 4, 3, 16), np.float32), cache, k, k, rope=rope,
+                                 positions=np.array([[4, 5, 6]]))
+    expected = reference.rotary_embedding(x, [0, 1, 2], rope.inv_freq, 8)
+    assert out.shape == (1, 4, 3, 16) and np.allclose(rotated, expected, atol=1e-6)
+
+
 def transformer() -> None:
     model = attnx.Transformer(16, 4, 1, 2, 32, 0.1, "gelu", batch_first=True, dtype="float64", seed=0)
     same: attnx.Transformer = model.eval()
@@ -173,6 +193,7 @@ def main() -> None:
     attend()
     module()
     decode()
+    rotary()
     transformer()
     runtime()
     precision()

@@ -620,7 +620,7 @@ def _rotate_new(rope: Any, q: np.ndarray, key: Any, n: IntArray, cache: KVCache,
         if (p[valid] < 0).any():
             raise ValueError(f"positions of the valid query tokens must be >= 0, got {p.tolist()}")
     p = np.where(valid, p, 0).astype(np.int64)
-    cos, sin = rope._cos_sin(p)              # (B, T, rotary_dim // 2)
+    cos, sin = rope._cos_sin(p)              # (B, T, rotary_dim)
     cos, sin = cos[:, None], sin[:, None]    # broadcast over the heads
     q = rope._rotate(q, cos, sin)
     if key is not None:

@@ -275,9 +275,9 @@ class RotaryEmbedding:
         self._scaling = normal
         self._inv_freq = inv_freq
         self._attention_scaling = 1.0
-        # (cos, sin), each (entries, rotary_dim // 2) float32, replaced whole when it grows, so
+        # (cos, sin), each (entries, rotary_dim) float32 (see _spread), replaced whole when it grows, so
         # that a reader in another thread sees an old table or a new one, never half of one.
-        self._tables: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] = self._compute(np.arange(0))
+        self._tables: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] = self._spread(*self._compute(np.arange(0)))
         self._grow = threading.Lock()
 
     @staticmethod
@@ -343,25 +343,42 @@ class RotaryEmbedding:
             sin *= _f32(self._attention_scaling)
         return cos, sin
 
+    def _spread(self, cos: np.ndarray[Any, Any], sin: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Half-width cos and sin (..., rotary_dim // 2) as full-width factors (..., rotary_dim).
+
+        Each dimension's cosine, and its sine signed as it multiplies the pair's other
+        dimension: ``x * cos + swap(x) * sin`` then rotates, with ``swap`` exchanging the
+        dimensions of each pair. The sign is exact, so the products and sum are
+        transformers' ``x * cos + rotate_half(x) * sin``, rounding for rounding.
+        """
+        if self._interleaved:
+            wide_cos = np.repeat(cos, 2, axis=-1)
+            wide_sin = np.stack((-sin, sin), axis=-1).reshape(sin.shape[:-1] + (self._rotary_dim,))
+        else:
+            wide_cos = np.concatenate((cos, cos), axis=-1)
+            wide_sin = np.concatenate((-sin, sin), axis=-1)
+        return wide_cos, wide_sin
+
     def _cos_sin(self, positions: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """cos and sin of non-negative integer ``positions`` (any shape), float32, from the tables."""
+        """The full-width factors (see `_spread`) of non-negative integer ``positions`` (any shape),
+        float32 ``positions.shape + (rotary_dim,)``, looked up in the tables."""
         if positions.size == 0:
-            return self._compute(positions.astype(np.int64))
+            return self._spread(*self._compute(positions.astype(np.int64)))
         cos, sin = self._tables
         top = int(positions.max())
         if top >= len(cos):
-            half = self._rotary_dim // 2
-            if (top + 1) * half > _TABLE_ENTRIES:
-                return self._compute(positions)
+            width = self._rotary_dim
+            if (top + 1) * width > _TABLE_ENTRIES:
+                return self._spread(*self._compute(positions))
             with self._grow:
                 cos, sin = self._tables
                 if top >= len(cos):
                     size = max(64, len(cos))
                     while size <= top:
                         size *= 2
-                    size = max(top + 1, min(size, _TABLE_ENTRIES // half))
+                    size = max(top + 1, min(size, _TABLE_ENTRIES // width))
                     # Only the new rows are computed: an entry never depends on the table's size.
-                    more = self._compute(np.arange(len(cos), size))
+                    more = self._spread(*self._compute(np.arange(len(cos), size)))
                     cos, sin = np.concatenate((cos, more[0])), np.concatenate((sin, more[1]))
                     cos.flags.writeable = sin.flags.writeable = False
                     self._tables = (cos, sin)
@@ -370,40 +387,40 @@ class RotaryEmbedding:
     # -- rotation ---------------------------------------------------------------------------
 
     def _rotate(self, x: np.ndarray[Any, Any], cos: np.ndarray[Any, Any], sin: np.ndarray[Any, Any]) -> FloatArray:
-        """``x`` (..., head_dim) rotated by float32 ``cos``/``sin`` broadcastable to (..., rotary_dim // 2).
+        """``x`` (..., head_dim) rotated by the float32 factors of `_cos_sin`, broadcastable to
+        (..., rotary_dim). A new array of x's dtype; x is only read.
 
-        A new array of x's dtype; x is only read.
+        Whole rows at a time, contiguous where x is: ``x * cos + swap(x) * sin``.
         """
         r, half = self._rotary_dim, self._rotary_dim // 2
+        rot = x[..., :r] if r < self._head_dim else x
+        swapped = np.empty(rot.shape, x.dtype)
         if self._interleaved:
-            first, second = slice(0, r, 2), slice(1, r, 2)
+            swapped[..., 0::2], swapped[..., 1::2] = rot[..., 1::2], rot[..., 0::2]
         else:
-            first, second = slice(0, half), slice(half, r)
+            swapped[..., :half], swapped[..., half:] = rot[..., half:], rot[..., :half]
         out = np.empty(x.shape, x.dtype)
         if r < self._head_dim:
             out[..., r:] = x[..., r:]
-        a, b = x[..., first], x[..., second]
         if is_half(x.dtype):
-            # As torch computes a float16/bfloat16 model: the tables rounded to its dtype, and
-            # each product and the sum rounded to it. The products of two halves are exact in
+            # As torch computes a float16/bfloat16 model: the factors rounded to its dtype, and
+            # each product and the sum rounded to it. The product of two halves is exact in
             # float32, so one float32 operation and one rounding give torch's value.
             dtype = x.dtype
             c = cos.astype(dtype).astype(np.float32)
             s = sin.astype(dtype).astype(np.float32)
-            a, b = a.astype(np.float32), b.astype(np.float32)
-            ac = (a * c).astype(dtype).astype(np.float32)
-            bs = (b * s).astype(dtype).astype(np.float32)
-            bc = (b * c).astype(dtype).astype(np.float32)
-            as_ = (a * s).astype(dtype).astype(np.float32)
-            out[..., first] = ac - bs
-            out[..., second] = bc + as_
+            first = (rot.astype(np.float32) * c).astype(dtype).astype(np.float32)
+            second = (swapped.astype(np.float32) * s).astype(dtype).astype(np.float32)
+            first += second
+            out[..., :r] = first           # rounded to the dtype as it is stored
             return out
         if x.dtype != np.float32:
             cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-        # x * cos + rotate(x) * sin, pair by pair: (a, b) -> (a cos - b sin, b cos + a sin).
         # The two products are rounded, then their sum: transformers' order of operations.
-        np.subtract(a * cos, b * sin, out=out[..., first])
-        np.add(b * cos, a * sin, out=out[..., second])
+        head = out[..., :r]
+        np.multiply(rot, cos, out=head)
+        np.multiply(swapped, sin, out=swapped)
+        np.add(head, swapped, out=head)
         return out
 
     def __call__(self, x: npt.ArrayLike, positions: npt.ArrayLike) -> FloatArray:
