@@ -94,8 +94,21 @@ def test_greedy_tokens_and_logits_equal_transformers(arch, monkeypatch):
     calls = []
     paged_attention = attnx.paged_attention
     monkeypatch.setattr(attnx, "paged_attention", lambda *a, **k: calls.append(1) or paged_attention(*a, **k))
+    forks = []
+    fork = attnx.PagedKVCache.fork
+
+    def recording_fork(cache, seq):
+        child = fork(cache, seq)
+        forks.append((cache.block_table(seq).tolist(), cache.block_table(child).tolist()))
+        return child
+
+    monkeypatch.setattr(attnx.PagedKVCache, "fork", recording_fork)
     steps, requests = serve(arch)
     model, expected = reference(arch)
+    # The prefix of 9 tokens was forked for both of its requests in every layer: they start
+    # from its 3 blocks, shared.
+    assert len(forks) == 2 * model.config.num_hidden_layers
+    assert all(parent == child and len(parent) == 3 for parent, child in forks), forks
 
     # One call per layer and step, and the schedule was what it is meant to be: steps that mix
     # a prompt chunk with decode rows, a prompt cut into chunks, more than 3 sequences at once.
