@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import _decoders
@@ -66,11 +67,10 @@ def test_serves_without_torch_or_transformers(example, tmp_path):
     assert proc.returncode == 2 and "--check needs transformers and torch" in proc.stderr, proc.stderr
 
 
-def test_schedule_and_pool(example):
-    # NumPy only: requests join over time, the first two share their prompt through a parent
-    # that is prefilled and forked, and the pool is sized for every request at its longest.
-    import numpy as np
-
+def test_requests_join_over_time_and_two_share_a_prompt():
+    # NumPy only (no safetensors): the first two requests share their prompt through a parent
+    # that is prefilled and forked; the others arrive two steps apart.
+    example = _decoders.load_example()
     requests = example.make_requests(np.random.default_rng(0), 6, 8, 1000)
     answered = [r for r in requests if r.max_new_tokens]
     parent = requests[-1]
