@@ -1,5 +1,5 @@
-"""The fuzz target (fuzz/fuzz_attnx.py): a short fixed-seed run, its oracle, and the
-regressions it found.
+"""The fuzz target (fuzz/fuzz_attnx.py, its entry points' modules in fuzz/attnx_fuzz/): a short
+fixed-seed run, its oracle, and the regressions it found.
 
 ``.ci/run`` runs the fuzzer for real (a fixed seed, a time bound, the count of inputs
 reported); here a few seconds of it run in a child process on every ``python -m pytest``,
@@ -28,10 +28,18 @@ PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(attnx.__file__)))
 
 
 def load_fuzz_module():
+    """The entry script, loaded by path; it puts its folder on sys.path, where its modules (the
+    package attnx_fuzz) are then imported from."""
     spec = importlib.util.spec_from_file_location("fuzz_attnx_under_test", FUZZ)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_fuzz_common():
+    """The fuzzer's shared module (attnx_fuzz.common): Provider, the oracle, the outcome counts."""
+    load_fuzz_module()
+    return importlib.import_module("attnx_fuzz.common")
 
 
 @pytest.mark.slow
@@ -89,7 +97,7 @@ def test_the_step_oracle_catches_a_wrong_result_and_a_late_error(monkeypatch):
     """The decoding step's checks have teeth: a result 1% off fails, and so does a step that
     appends the new tokens to the cache and then raises (an allowed ValueError, too late)."""
     fz = load_fuzz_module()
-    entry = bytes([fz.ENTRY_POINTS.index(fz.fuzz_step)])
+    entry = bytes([fz.ENTRY_POINTS.index(fz.mha_step.fuzz_step)])
     real = attnx.multi_head_attention_step
 
     def count_failures(inputs=300):
@@ -132,27 +140,27 @@ def test_the_transformer_oracles_catch_a_wrong_result_and_a_late_error(monkeypat
 
     real_layer = _layers.encoder_layer
     monkeypatch.setattr(_layers, "encoder_layer", lambda *a, **k: real_layer(*a, **k) * 1.001)
-    assert failures(fz.fuzz_transformer_layer, "not equal to the reference", 600) > 10
+    assert failures(fz.transformer.fuzz_transformer_layer, "not equal to the reference", 600) > 10
     monkeypatch.setattr(_layers, "encoder_layer", real_layer)
 
     real_step = attnx.TransformerDecoder.step
     monkeypatch.setattr(attnx.TransformerDecoder, "step", lambda self, *a, **k: real_step(self, *a, **k) * 1.01)
-    assert failures(fz.fuzz_transformer_step, "not equal to the reference", 200) > 10
+    assert failures(fz.transformer.fuzz_transformer_step, "not equal to the reference", 200) > 10
 
     def late_error(self, *a, **k):
         real_step(self, *a, **k)
         raise ValueError("after the append")
 
     monkeypatch.setattr(attnx.TransformerDecoder, "step", late_error)
-    assert failures(fz.fuzz_transformer_step, "raised after appending", 200) > 10
+    assert failures(fz.transformer.fuzz_transformer_step, "raised after appending", 200) > 10
 
 
 def test_the_varlen_oracle_catches_a_wrong_result_and_accepted_bad_offsets(monkeypatch):
     """varlen_attention's checks have teeth: a result 1% off fails, and so does a
     varlen_attention that computes (zeros) where it should refuse its offsets or head counts;
     the real one passes the same inputs."""
-    fz = load_fuzz_module()
-    entry = bytes([fz.ENTRY_POINTS.index(fz.fuzz_varlen)])
+    fz, common = load_fuzz_module(), load_fuzz_common()
+    entry = bytes([fz.ENTRY_POINTS.index(fz.varlen.fuzz_varlen)])
     real = attnx.varlen_attention
 
     def failures(message, inputs=300):
@@ -174,7 +182,7 @@ def test_the_varlen_oracle_catches_a_wrong_result_and_accepted_bad_offsets(monke
         except ValueError as exc:
             if "cu_seqlens" not in str(exc) and "multiple of key heads" not in str(exc):
                 raise
-            q, v = np.asarray(fz.plain(query)), np.asarray(fz.plain(value))
+            q, v = np.asarray(common.plain(query)), np.asarray(common.plain(value))
             return np.zeros(q.shape[:2] + v.shape[2:], q.dtype)
 
     monkeypatch.setattr(fz.attnx, "varlen_attention", lenient)
@@ -206,16 +214,16 @@ def test_oracle_judges_list_inputs_by_their_values():
     float32 scores overflow (a NaN row, where the float64 reference stays finite), and the
     oracle compared the results with the tolerance because it judged only ndarray inputs as
     well or badly scaled. A list's values now count as an array's do."""
-    fz = load_fuzz_module()
+    common = load_fuzz_common()
     got = np.full((1, 2), np.nan, np.float32)
     expected = np.ones((1, 2))
     extreme = [[-3e38, 2e38, 1.0]]
-    before = fz.OUTCOMES["result not comparable (extreme values)"]
-    fz.compare(got, expected, np.dtype(np.float32), "list input", [np.ones((1, 3), np.float32), extreme])
-    assert fz.OUTCOMES["result not comparable (extreme values)"] == before + 1
+    before = common.OUTCOMES["result not comparable (extreme values)"]
+    common.compare(got, expected, np.dtype(np.float32), "list input", [np.ones((1, 3), np.float32), extreme])
+    assert common.OUTCOMES["result not comparable (extreme values)"] == before + 1
     # A well-scaled list still gets the tolerance check.
     with pytest.raises(AssertionError):
-        fz.compare(got, expected, np.dtype(np.float32), "list input", [np.ones((1, 3), np.float32), [[0.5, 1.0]]])
+        common.compare(got, expected, np.dtype(np.float32), "list input", [np.ones((1, 3), np.float32), [[0.5, 1.0]]])
 
 
 @pytest.mark.parametrize("entry", ["sdpa", "varlen"])

@@ -380,3 +380,57 @@ def test_bfloat16_products_equal_varlen_attention_over_the_same_keys(dtype):
     exact = attnx.varlen_attention(q, np.concatenate(keys).astype(f32), np.concatenate(values).astype(f32), cu,
                                    is_causal="bottom_right", window=(50, 0))
     assert np.abs(out - exact).max() > 0  # the products were rounded
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_rope_rotates_the_queries_and_the_new_keys_before_they_are_stored(dtype):
+    """rope= equals rotating the queries and new keys by hand at each row's position (the
+    sequence's length before the call, plus the row's index) and calling without rope; the
+    cache then holds the rotated keys."""
+    rng = np.random.default_rng(8)
+    rope = attnx.RotaryEmbedding(32, rotary_dim=16, scaling={"rope_type": "linear", "factor": 2.0})
+    caches = [attnx.PagedKVCache(40, 8, 2, 32, storage_dtype(dtype)) for _ in range(2)]
+    seqs = [[c.add_sequence() for _ in range(3)] for c in caches]
+    lengths = np.zeros(3, np.int64)
+    for lens in ([9, 1, 20], [1, 1, 1], [3, 0, 1]):
+        total = sum(lens)
+        q, k, v = randn(rng, (total, 4, 32), f32), randn(rng, (total, 2, 32), f32), randn(rng, (total, 2, 32), f32)
+        positions = np.concatenate([np.arange(n) + lengths[i] for i, n in enumerate(lens)])
+        out = attnx.paged_attention(q, caches[0], seqs[0], lens, k, v, rope=rope)
+        expected = attnx.paged_attention(rope(q, positions), caches[1], seqs[1], lens, rope(k, positions), v)
+        assert_identical(out, expected)
+        for s0, s1 in zip(*seqs):
+            for x, y in zip(gathered(caches[0], s0), gathered(caches[1], s1)):
+                np.testing.assert_array_equal(x, y)
+        lengths += lens
+    # positions= overrides the positions; without new keys, only the queries are rotated.
+    q = randn(rng, (3, 4, 32), f32)
+    at = np.array([100, 7, 0])
+    assert_identical(attnx.paged_attention(q, caches[0], seqs[0], rope=rope, positions=at),
+                     attnx.paged_attention(rope(q, at), caches[1], seqs[1]))
+    with pytest.raises(ValueError, match="positions must have shape"):
+        attnx.paged_attention(q, caches[0], seqs[0], rope=rope, positions=at[:2])
+    with pytest.raises(ValueError, match="head_dim"):
+        attnx.paged_attention(q, caches[0], seqs[0], rope=attnx.RotaryEmbedding(16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_a_mixed_step_equals_its_prefill_and_decode_rows_called_apart(dtype):
+    """Prefill chunks take query tiles and decode rows take grouped rows in one call: each
+    sequence's rows are the bits of a call of its kind alone, and of the reference."""
+    rng = np.random.default_rng(9)
+    cache = attnx.PagedKVCache(300, 16, 2, 64, storage_dtype(dtype))
+    seqs = [cache.add_sequence() for _ in range(5)]
+    lengths = [700, 40, 1300, 3, 90]
+    total = sum(lengths)
+    cache.append(seqs, randn(rng, (total, 2, 64), f32), randn(rng, (total, 2, 64), f32), lengths)
+    lens = [64, 1, 1, 3, 37]  # two chunks, three decoding sequences
+    q = randn(rng, (sum(lens), 8, 64), f32)
+    for options in ({}, {"window": (200, 0), "softcap": 30.0}):
+        out = attnx.paged_attention(q, cache, seqs, lens, **options)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        for i in range(len(seqs)):
+            alone = attnx.paged_attention(q[cu[i]:cu[i + 1]], cache, [seqs[i]], [lens[i]], **options)
+            assert_identical(out[cu[i]:cu[i + 1]], alone)
+            k, v = gathered(cache, seqs[i])
+            assert_close(out[cu[i]:cu[i + 1]], expected_rows(q[cu[i]:cu[i + 1]], k, v, options), f32, atol=5e-6)

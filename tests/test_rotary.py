@@ -318,6 +318,27 @@ def test_tables_give_what_computing_gives(rng, monkeypatch):
     assert len(small._tables[0]) <= 128
 
 
+def test_tables_grown_from_threads_at_once(rng):
+    # A table is replaced whole when it grows: readers in other threads see an old table or
+    # a new one, and every call gives what computing its positions gives.
+    import concurrent.futures
+
+    rope = attnx.RotaryEmbedding(32)
+    x = rng.standard_normal((8, 2, 32), dtype=np.float32)
+    starts = [int(s) for s in rng.integers(0, 20000, 64)]
+    expected = [attnx.RotaryEmbedding(32)(x, np.arange(s, s + 8)) for s in starts]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda s: rope(x, np.arange(s, s + 8)), starts))
+    assert all(np.array_equal(a, b) for a, b in zip(results, expected))
+
+
+def test_strided_inputs(rng):
+    rope = attnx.RotaryEmbedding(16, rotary_dim=8, interleaved=True)
+    x = rng.standard_normal((2, 5, 32), dtype=np.float32)[:, :, ::2].transpose(1, 0, 2)   # (5, 2, 16)
+    positions = np.arange(10)[::2]
+    assert np.array_equal(rope(x, positions), rope(np.ascontiguousarray(x), positions.copy()))
+
+
 def test_positions_of_any_integer_dtype(rng):
     rope = attnx.RotaryEmbedding(16)
     x = rng.standard_normal((4, 1, 16), dtype=np.float32)
@@ -480,6 +501,20 @@ def test_cached_attention_rotates_queries_and_new_keys(rng, kwargs, dtype):
         assert np.array_equal(out.transpose(0, 2, 1, 3)[valid], expected.transpose(0, 2, 1, 3)[valid])
         assert not out.transpose(0, 2, 1, 3)[~valid].any()       # padding rows are zeros
         assert _same_cache(with_rope, by_hand)
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", np.int8], ids=["bfloat16", "int8"])
+def test_cached_attention_rope_stores_rotated_keys_in_any_cache(rng, cache_dtype):
+    rope = attnx.RotaryEmbedding(16, base=1000.0)
+    with_rope = attnx.KVCache(1, 2, 16, 16, dtype=cache_dtype)
+    by_hand = attnx.KVCache(1, 2, 16, 16, dtype=cache_dtype)
+    q = rng.standard_normal((1, 2, 4, 16)).astype(BF16)
+    k = v = rng.standard_normal((1, 2, 4, 16)).astype(BF16)
+    out = attnx.cached_attention(q, with_rope, k, v, rope=rope)
+    positions = np.arange(4)[None]
+    expected = attnx.cached_attention(_rotate_4d(rope, q, positions), by_hand, _rotate_4d(rope, k, positions), v)
+    assert out.dtype == BF16 and np.array_equal(out.astype(np.float32), expected.astype(np.float32))
+    assert _same_cache(with_rope, by_hand)
 
 
 def test_cached_attention_rope_without_new_keys(rng):

@@ -97,6 +97,8 @@ SdpaPlan plan_of(const SdpaShape& call, const KernelTable<T>& kt) {
 template <typename T>
 void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
                  const SdpaPlan& plan, const Bf16Operands* bf16);
+template <typename T>
+bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call);
 
 // A call with bfloat16 products: planned on its own operands, which are then
 // rounded for the path it takes (into a16), and planned again on those
@@ -133,33 +135,116 @@ void sdpa_forward(const SdpaArgs<T>& a) {
     if (a.precision == Precision::kBFloat16) return sdpa_forward_bf16(a, kt);
   }
   const SdpaShape call = describe(a);
+  if (a.key.paged.present() && a.range.packed && run_split(a, kt, call)) return;
   run_planned(a, kt, call, plan_of(call, kt), nullptr);
 }
+
+// One planned part of a call: the call as its plan sees it, the plan, and,
+// for packed sequences, the query lengths it takes (0 for another part's
+// sequences), else null.
+struct SdpaPart {
+  SdpaShape call;
+  SdpaPlan plan;
+  const int64_t* query_lengths = nullptr;
+};
+
+template <typename T>
+void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* parts, int count,
+               const Bf16Operands* bf16);
 
 // The call's tasks, as planned; bf16: the rounded operands of bfloat16
 // products (a is then theirs), else null.
 template <typename T>
 void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
                  const SdpaPlan& plan, const Bf16Operands* bf16) {
-  const int nthreads = plan.threads;
-  const size_t scratch_per_thread = plan.scratch_per_thread;
+  const SdpaPart part{call, plan, a.range.packed ? a.range.query_lengths : nullptr};
+  run_parts(a, kt, &part, 1, bf16);
+}
 
+// The call as a plan sees it when it takes only the packed sequences whose
+// `lengths` are not 0: its longest queries, keys and their pairs.
+template <typename T>
+SdpaShape part_of(const SdpaArgs<T>& a, const SdpaShape& call, const std::vector<int64_t>& lengths) {
+  SdpaShape part = call;
+  part.L = part.S_read = 0;
+  part.pairs = 0;
+  for (int64_t b = 0; b < call.B; ++b) {
+    if (lengths[size_t(b)] == 0) continue;
+    part.L = std::max(part.L, lengths[size_t(b)]);
+    part.S_read = std::max(part.S_read, key_length(a, b));
+    part.pairs += double(lengths[size_t(b)]) * double(key_length(a, b));
+  }
+  return part;
+}
+
+// A paged step that holds both sequences of many queries (prefill chunks)
+// and of few (decoding) runs each kind on its own path -- query tiles for
+// the first, grouped rows split into key chunks for the others -- in one
+// parallel region, where one plan for all would run every decoding row as a
+// tile of 16 lanes. Each sequence's rows are then those of a call of its
+// kind alone. False where the step holds one kind only.
+template <typename T>
+bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call) {
+  std::vector<int64_t> many(size_t(call.B), 0), few(size_t(call.B), 0);
+  bool any_many = false, any_few = false;
+  for (int64_t b = 0; b < call.B; ++b) {
+    const int64_t rows = query_length(a, b);
+    // The planner's rule for the path of a call (plan_sdpa), per sequence.
+    if (rows * 4 > kt.query_tile) {
+      many[size_t(b)] = rows, any_many = true;
+    } else {
+      few[size_t(b)] = rows, any_few = any_few || rows > 0;
+    }
+  }
+  if (!any_many || !any_few) return false;
+  SdpaPart parts[2];
+  parts[0].call = part_of(a, call, many);
+  parts[1].call = part_of(a, call, few);
+  parts[0].query_lengths = many.data();
+  parts[1].query_lengths = few.data();
+  for (SdpaPart& part : parts) part.plan = plan_of(part.call, kt);
+  run_parts(a, kt, parts, 2, nullptr);
+  return true;
+}
+
+template <typename T>
+void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* parts, int count,
+               const Bf16Operands* bf16) {
+  int nthreads = 1;
+  size_t scratch_per_thread = 0;
+  for (int p = 0; p < count; ++p) {
+    nthreads = std::max(nthreads, parts[p].plan.threads);
+    scratch_per_thread = std::max(scratch_per_thread, parts[p].plan.scratch_per_thread);
+  }
+  const SdpaPlan& first = parts[0].plan;  // the plan that may align values, check them or map masks
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
   T* scratch = calling_thread_scratch<T>(size_t(nthreads) * scratch_per_thread);
-  std::vector<AlignedValues<T>> aligned_values(plan.align_values ? nthreads : 0);
+  std::vector<AlignedValues<T>> aligned_values(first.align_values ? nthreads : 0);
   for (int i = 0; i < int(aligned_values.size()); ++i) {
     const uintptr_t end = reinterpret_cast<uintptr_t>(scratch + (i + 1) * scratch_per_thread);
-    const uintptr_t start = end - plan.values_copy_size * sizeof(T);
+    const uintptr_t start = end - first.values_copy_size * sizeof(T);
     aligned_values[i].data = reinterpret_cast<T*>((start + 63) / 64 * 64);
-    aligned_values[i].ld = plan.values_ld;
+    aligned_values[i].ld = first.values_ld;
   }
-  std::vector<T> states(plan.states_size);
+  std::vector<std::vector<T>> states(static_cast<size_t>(count));
+  for (int p = 0; p < count; ++p) states[size_t(p)].resize(parts[p].plan.states_size);
   FiniteRows finite_values;
-  if (plan.finite_values) finite_values.take(a, kt, call.B, call.Hk, call.S_read, nthreads);
+  if (first.finite_values)
+    finite_values.take(a, kt, parts[0].call.B, parts[0].call.Hk, parts[0].call.S_read, nthreads);
   MaskBlockMap<T> mask_blocks;
-  if (plan.mask_blocks) mask_blocks.build(a, kt, kt.query_tile, nthreads);
-  const SdpaContext<T> context{a, kt, plan, finite_values, mask_blocks, states.data(), bf16};
+  if (first.mask_blocks) mask_blocks.build(a, kt, kt.query_tile, nthreads);
+  std::vector<SdpaContext<T>> contexts;
+  std::vector<SdpaTasks> tasks;
+  contexts.reserve(size_t(count));
+  tasks.reserve(size_t(count));
+  int64_t total = 0;
+  for (int p = 0; p < count; ++p) {
+    contexts.push_back(SdpaContext<T>{a, kt, parts[p].plan, finite_values, mask_blocks,
+                                      states[size_t(p)].data(), bf16});
+    tasks.emplace_back(parts[p].plan, parts[p].call.B, parts[p].call.L, parts[p].query_lengths);
+    total += tasks.back().count();
+  }
 
   // Each thread runs a contiguous share of the tasks, in which a head's tasks
   // follow each other, so its keys and values are read into that core's
@@ -167,10 +252,13 @@ void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape
   // (kBalanced). Handing out whole heads to whichever thread is free
   // instead, a core slowed for a moment leaves the other idle for up to a
   // head's time at the end (see docs/tuning.md).
-  const SdpaTasks tasks(plan, call.B, call.L, a.range.packed ? a.range.query_lengths : nullptr);
-  parallel_for(tasks.count(), nthreads, Schedule::kBalanced, [&](int64_t t) {
+  parallel_for(total, nthreads, Schedule::kBalanced, [&](int64_t t) {
+    int p = 0;
+    while (t >= tasks[size_t(p)].count()) t -= tasks[size_t(p++)].count();
+    const SdpaContext<T>& context = contexts[size_t(p)];
+    const SdpaPlan& plan = context.plan;
     T* my_scratch = scratch + current_thread() * scratch_per_thread;
-    const SdpaTask task = tasks.at(t);
+    const SdpaTask task = tasks[size_t(p)].at(t);
     const int64_t b = task.b, h = task.h, c = task.c;
     const int64_t qb = task.qg * plan.group;
     const int64_t r0 = qb * plan.rows_per_task;
@@ -191,13 +279,18 @@ void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape
         break;
     }
   });
-  if (plan.chunks > 1) {
-    const int64_t chunks = plan.chunks, Hq = call.Hq, L = call.L, Ev = call.Ev;
+  for (int p = 0; p < count; ++p) {
+    const SdpaPlan& plan = parts[p].plan;
+    if (plan.chunks == 1) continue;
+    const int64_t chunks = plan.chunks, Hq = parts[p].call.Hq, L = plan.L, Ev = parts[p].call.Ev;
     const int64_t state_size = plan.state_size;
-    parallel_for(call.B * Hq * L, nthreads, Schedule::kStatic, [&](int64_t row) {
+    const int64_t* lengths = parts[p].query_lengths;
+    const T* part_states = states[size_t(p)].data();
+    parallel_for(parts[p].call.B * Hq * L, nthreads, Schedule::kStatic, [&](int64_t row) {
       const int64_t bh = row / L, i = row % L;
-      if (i >= query_rows(a, bh / Hq)) return;  // packed: another sequence's row
-      merge_chunks(states.data() + row * chunks * state_size, chunks, state_size, Ev,
+      // Packed: rows past the sequence's are another's (or another part's).
+      if (i >= (lengths ? lengths[bh / Hq] : query_rows(a, bh / Hq))) return;
+      merge_chunks(part_states + row * chunks * state_size, chunks, state_size, Ev,
                    a.out.at(bh / Hq, bh % Hq, i));
     });
   }

@@ -107,6 +107,7 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
   plan.values_copy_size = values_copy_size;
   plan.state_size = Ev + 3;
   plan.states_size = chunks > 1 ? size_t(B * Hq * L * chunks * plan.state_size) : 0;
+  plan.L = L;
   // With masks, most query tiles close a key in most blocks, and each then
   // checks that block's values (see visit_flash_chunk): the checks are made once.
   plan.finite_values = tiled && call.masks && call.values.native;

@@ -76,6 +76,7 @@ struct SdpaPlan {
   size_t scratch_per_thread = 0;  // elements (values' copy included)
   int64_t state_size = 0;         // elements of one row's state per chunk (m, l, open, acc)
   size_t states_size = 0;         // elements of the chunk states (0: one chunk)
+  int64_t L = 0;                  // query rows per head of the call planned: the states' layout
 };
 
 // The work that sets the thread count: the multiply-adds, plus the keys and

@@ -25,7 +25,7 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   const int64_t j_begin = chunks == 1 ? 0 : chunk * kKeyChunk;
   const int64_t j_end = chunks == 1 ? S_read : std::min(S_read, j_begin + kKeyChunk);
   T* states = chunks == 1 ? nullptr : c.states;
-  const int64_t Hq = a.query.shape[1], L = a.query.shape[2], E = a.query.shape[3];
+  const int64_t Hq = a.query.shape[1], E = a.query.shape[3];
   const int64_t Ev = a.value.shape(3), group = Hq / a.key.shape(1);
   const int64_t rows = r1 - r0;
   T* tile = scratch;                      // rows x kKeyBlock scores
@@ -63,11 +63,18 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   // heads included); for more rows a block is widened once into a buffer and
   // read from there by every row: for a few rows, widening again for each
   // costs less than storing the block and loading it back (see docs/tuning.md).
-  // Rows read in place go run by run: a paged cache's blocks, else one run.
-  const bool widen_keys = rows > 4 && keys.stored();
-  const bool widen_values = rows > 4 && values.stored();
+  const bool direct_keys = rows <= 4 && keys.stored();
+  const bool direct_values = rows <= 4 && values.stored();
+  // A paged cache's rows, which lie in blocks, are listed one pointer each
+  // and read by the listed kernels: a block of kKeyBlock keys is then one
+  // call, read and asked for ahead as a contiguous one is (a call per
+  // cache block took 1.5x the time at 16 rows a block: see docs/tuning.md).
+  // Stored rows for more than 4 rows are widened into the buffer as usual.
+  const bool listed_keys = keys.blocks && (direct_keys || !keys.stored());
+  const bool listed_values = values.blocks && (direct_values || !values.stored());
+  const void* listed[kKeyBlock];   // a block's rows, listed
+  float listed_scales[kKeyBlock];  // and their int8 scales
   const int n_rows = static_cast<int>(rows);
-  T* s_run[kQueryBlock];  // the rows' scores from a run's first key on
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
     // A block of source keys is cut to the rows' keys, or skipped.
     const Band part = keys_of_block(masks.keys, a.mask_cols, j0, std::min(kKeyBlock, j_end - j0));
@@ -76,36 +83,24 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     int64_t ldk = 0, ldv = 0;
     LineRange lead = stored_row_lines(a.value, b, kv_head, start, std::min(n, kBlockLeadRows));
     request_lines_to_l2(lead, lead.size());
-    const T* vb = widen_values ? values.rows(start, n, v_buf, ldv) : nullptr;
+    const T* kb = direct_keys || listed_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
+    const T* vb = direct_values || listed_values ? nullptr : values.rows(start, n, v_buf, ldv);
     // (1) the scores of every row: the kernel takes a few rows through each
     // key at once; the first of them read the block from memory, the others
     // from cache.
-    if (widen_keys) {
-      const T* kb = keys.rows(start, n, k_buf, ldk);
-      kt.scores(q_rows, n_rows, kb, ldk, n, E, a.query_scale(), s_rows, false);
-    } else {
-      keys.for_each_run(start, n, [&](int64_t j, int64_t count) {
-        for (int64_t r = 0; r < rows; ++r) s_run[r] = s_rows[r] + (j - start);
-        if (j + count < start + n) {  // the next block's first rows, as this one's were
-          LineRange next = stored_row_lines(a.key, b, kv_head, j + count, kBlockLeadRows);
-          request_lines_to_l2(next, next.size());
-        }
-        if constexpr (std::is_same_v<T, float>) {
-          if (keys.q8) {
-            kt.scores_int8(q_rows, n_rows, keys.q8 + keys.offset(j), keys.ld, keys.scale_of(j),
-                           count, E, a.query_scale(), s_run, true);
-            return;
-          }
-          if (keys.bits) {
-            kt.scores_16bit[keys.bits_kind](q_rows, n_rows, keys.bits + keys.offset(j), keys.ld,
-                                            count, E, a.query_scale(), s_run, true);
-            return;
-          }
-        }
-        kt.scores(q_rows, n_rows, keys.native + keys.offset(j), keys.ld, count, E,
-                  a.query_scale(), s_run, true);
-      });
+    if (listed_keys) {
+      keys.list(start, n, listed, listed_scales);
+      kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, E,
+                       a.query_scale(), s_rows);
+    } else if constexpr (std::is_same_v<T, float>) {
+      if (direct_keys && keys.q8)
+        kt.scores_int8(q_rows, n_rows, keys.q8 + start * keys.ld, keys.ld, keys.scales + start,
+                       n, E, a.query_scale(), s_rows, true);
+      else if (direct_keys)
+        kt.scores_16bit[keys.bits_kind](q_rows, n_rows, keys.bits + start * keys.ld, keys.ld, n,
+                                        E, a.query_scale(), s_rows, true);
     }
+    if (kb) kt.scores(q_rows, n_rows, kb, ldk, n, E, a.query_scale(), s_rows, keys.native);
     soft_cap(a, kt, tile, rows, kKeyBlock, n, a.softcap_folded());
     // The rows whose values go through the block in one pass, together.
     const T* p_plain[kQueryBlock];
@@ -147,39 +142,29 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
                               std::min(j_end - j0 - kKeyBlock, kBlockLeadRows));
       request_lines_to_l2(lead, lead.size());
     }
-    // Values widened into the buffer, or native ones copied there to be
-    // checked, are read from it; else in place, run by run.
-    if (vb != nullptr && (widen_values || (!values.stored() && values.run(start) < n))) {
-      kt.accumulate_pv(p_plain, plain, vb, ldv, n, Ev, acc_plain, !widen_values);
-      continue;
-    }
-    values.for_each_run(start, n, [&](int64_t j, int64_t count) {
-      const T* p_run[kQueryBlock];
-      for (int i = 0; i < plain; ++i) p_run[i] = p_plain[i] + (j - start);
-      if (j + count < start + n) {
-        LineRange next = stored_row_lines(a.value, b, kv_head, j + count, kBlockLeadRows);
-        request_lines_to_l2(next, next.size());
-      }
+    if (listed_values) {
+      values.list(start, n, listed, listed_scales);
+      kt.accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n, Ev,
+                              acc_plain);
+    } else if (direct_values) {
       if constexpr (std::is_same_v<T, float>) {
-        if (values.q8) {
-          kt.accumulate_pv_int8(p_run, plain, values.q8 + values.offset(j), values.ld,
-                                values.scale_of(j), count, Ev, acc_plain, true);
-          return;
-        }
-        if (values.bits) {
-          kt.accumulate_pv_16bit[values.bits_kind](p_run, plain, values.bits + values.offset(j),
-                                                   values.ld, count, Ev, acc_plain, true);
-          return;
-        }
+        if (values.q8)
+          kt.accumulate_pv_int8(p_plain, plain, values.q8 + start * values.ld, values.ld,
+                                values.scales + start, n, Ev, acc_plain, true);
+        else
+          kt.accumulate_pv_16bit[values.bits_kind](p_plain, plain,
+                                                   values.bits + start * values.ld, values.ld, n,
+                                                   Ev, acc_plain, true);
       }
-      kt.accumulate_pv(p_run, plain, values.native + values.offset(j), values.ld, count, Ev,
-                       acc_plain, true);
-    });
+    } else {
+      kt.accumulate_pv(p_plain, plain, vb, ldv, n, Ev, acc_plain, values.native);
+    }
   }
   if (states) {
     const int64_t state_size = Ev + 3;
     for (int64_t r = 0; r < rows; ++r) {
-      T* state = states + (((b * Hq + head[r]) * L + row[r]) * chunks + chunk) * state_size;
+      T* state =
+          states + (((b * Hq + head[r]) * c.plan.L + row[r]) * chunks + chunk) * state_size;
       state[0] = m[r], state[1] = l[r], state[2] = open[r] ? T(1) : T(0);
       std::copy_n(acc + r * Ev, Ev, state + 3);
     }

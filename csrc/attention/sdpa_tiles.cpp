@@ -261,6 +261,13 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     int64_t ldk, ldv;
     if (c.bf16) {
       bf16_scores(c, t, kv_head, start, n, st);
+    } else if (keys.blocks && !keys.stored()) {
+      // A paged cache's keys, read in place block by block (the scores of a
+      // key do not depend on the keys beside it).
+      keys.for_each_run(start, n, [&](int64_t j, int64_t count) {
+        kt.gemm(count, t.lanes, E, keys.native + keys.offset(j), keys.ld, 1, t.q_t, qt,
+                st + (j - start) * qt, qt, GemmInit::kZero, nullptr);
+      });
     } else if (const T* kb = keys.rows(start, n, k_buf, ldk); ask_ahead) {
       LineRange value_lines = stored_row_lines(a.value, b, kv_head, start, n);
       const int64_t pieces = (n + kAheadKeysPerPiece - 1) / kAheadKeysPerPiece;
@@ -288,6 +295,21 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     // (see accumulate_values).
     if (c.bf16 && bf16_values(c, t, kv_head, start, n, any_closed, first_block, alpha, st,
                               mask_scratch, v_buf)) {
+      first_block = false;
+      continue;
+    }
+    if (!c.bf16 && !any_closed && values.blocks && !values.stored()) {
+      // A paged cache's values, in place block by block: the first block
+      // starts the sum as one call would, the others add to it.
+      values.for_each_run(start, n, [&](int64_t j, int64_t count) {
+        const bool first_run = j == start;
+        kt.gemm(rows, Ev, count, st + (j - start) * qt, 1, qt, values.native + values.offset(j),
+                values.ld, o, Ev,
+                !first_run ? GemmInit::kAccumulate
+                : first_block ? GemmInit::kZero
+                              : GemmInit::kScaleRows,
+                alpha);
+      });
       first_block = false;
       continue;
     }

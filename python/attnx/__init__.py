@@ -23,7 +23,7 @@ PagedKVCache, paged_attention, CacheFullError
     Many sequences in one pool of cache blocks; one step of continuous batching over it.
 RotaryEmbedding
     Rotary position embeddings with Hugging Face transformers' conventions
-    (``cached_attention(..., rope=)`` applies one).
+    (``cached_attention(..., rope=)`` and ``paged_attention(..., rope=)`` apply one).
 set_num_threads, get_num_threads, show_config
     Threads, the SIMD kernel in use, and how this attnx was built.
 reference

@@ -64,7 +64,9 @@ struct Kernels {
                      nullptr,
                      nullptr,
                      Layers::activate,
-                     Layers::add_layer_norm};
+                     Layers::add_layer_norm,
+                     Rows::scores_listed,
+                     Rows::accumulate_pv_listed};
     if constexpr (Vec::kWidens16) {
       t.widen_float16 = Arrays::widen_float16;
       t.widen_bfloat16 = Arrays::widen_bfloat16;

@@ -76,19 +76,40 @@ struct RowKernels {
       return (void)row_scales, (void)j, x;
   }
 
+  // Where the key or value rows are: one after another, ld apart (an array,
+  // a contiguous cache), or listed one pointer each (a paged cache's rows,
+  // which lie in blocks). The kernels read both alike, so a row's results do
+  // not depend on where it lies.
+  template <typename P>
+  struct StridedRows {
+    const P* base;
+    int64_t ld;
+    const P* operator[](int64_t j) const { return base + j * ld; }
+    StridedRows from(int64_t j) const { return {base + j * ld, ld}; }
+  };
+  template <typename P>
+  struct ListedRows {
+    const P* const* rows;
+    const P* operator[](int64_t j) const { return rows[j]; }
+    ListedRows from(int64_t j) const { return {rows + j}; }
+  };
+
   // scores for R query rows against the keys: each key vector is loaded
   // once for the R rows, and R x 4 sums run side by side (one row's four
   // chains alone wait on the multiply-add latency). Each (row, key) sum is
   // taken in the same order whatever R is, so a row's scores do not depend
   // on the rows it is grouped with.
-  template <Stored kSrc, typename P, int R>
-  static void scores_group(const T* const* q, const P* k, int64_t ldk, const float* ks,
-                           int64_t n_keys, int64_t dim, T scale, T* const* dst, int64_t ahead,
+  template <Stored kSrc, typename P, int R, typename Rows>
+  static void scores_group(const T* const* q, Rows k, const float* ks, int64_t n_keys,
+                           int64_t dim, T scale, T* const* dst, int64_t ahead,
                            int64_t prefetch_end) {
     int64_t j = 0;
     for (; j + 4 <= n_keys; j += 4) {
-      const P* kr[4] = {k + j * ldk, k + (j + 1) * ldk, k + (j + 2) * ldk, k + (j + 3) * ldk};
-      const P* ka = ahead && j + ahead + 4 <= prefetch_end ? kr[0] + ahead * ldk : nullptr;
+      const P* kr[4] = {k[j], k[j + 1], k[j + 2], k[j + 3]};
+      const bool ask = ahead && j + ahead + 4 <= prefetch_end;
+      const P* ka[4] = {};
+      if (ask)
+        for (int u = 0; u < 4; ++u) ka[u] = k[j + ahead + u];
       V acc[R][4];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
@@ -98,8 +119,8 @@ struct RowKernels {
       for (; i + W <= dim; i += W) {
         V kv[4];
 #if defined(__GNUC__)
-        if (ka)
-          for (int u = 0; u < 4; ++u) __builtin_prefetch(ka + u * ldk + i, 0, 2);
+        if (ask)
+          for (int u = 0; u < 4; ++u) __builtin_prefetch(ka[u] + i, 0, 2);
 #endif
 #pragma GCC unroll 4
         for (int u = 0; u < 4; ++u) {
@@ -143,7 +164,7 @@ struct RowKernels {
       }
     }
     for (; j < n_keys; ++j) {
-      const P* kj = k + j * ldk;
+      const P* kj = k[j];
       V acc[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
@@ -177,11 +198,16 @@ struct RowKernels {
   static void scores_scaled(const T* const* q, int rows, const P* k, int64_t ldk,
                             const float* ks, int64_t n_keys, int64_t dim, T scale,
                             T* const* dst, bool stream) {
+    scores_at<kSrc, P>(q, rows, StridedRows<P>{k, ldk}, ks, n_keys, dim, scale, dst, stream);
+  }
+  template <Stored kSrc, typename P, typename Rows>
+  static void scores_at(const T* const* q, int rows, Rows k, const float* ks, int64_t n_keys,
+                        int64_t dim, T scale, T* const* dst, bool stream) {
     const int64_t ahead = prefetch_distance<P>(stream, dim);
     const int64_t sub = rows > Vec::kRowGroup ? row_sub_block<P>(dim) : n_keys;
     for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
       const int64_t n = min64(sub, n_keys - j0);
-      const P* k0 = k + j0 * ldk;
+      const Rows k0 = k.from(j0);
       const float* ks0 = ks ? ks + j0 : nullptr;
       for (int r0 = 0; r0 < rows; r0 += Vec::kRowGroup) {
         const int count = imin(rows - r0, Vec::kRowGroup);
@@ -190,15 +216,15 @@ struct RowKernels {
         const T* const* qg = q + r0;
         const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
         switch (count) {
-          case 1: scores_group<kSrc, P, 1>(qg, k0, ldk, ks0, n, dim, scale, d, a, end); break;
-          case 2: scores_group<kSrc, P, 2>(qg, k0, ldk, ks0, n, dim, scale, d, a, end); break;
+          case 1: scores_group<kSrc, P, 1>(qg, k0, ks0, n, dim, scale, d, a, end); break;
+          case 2: scores_group<kSrc, P, 2>(qg, k0, ks0, n, dim, scale, d, a, end); break;
           case 3:
             if constexpr (Vec::kRowGroup >= 3)
-              scores_group<kSrc, P, 3>(qg, k0, ldk, ks0, n, dim, scale, d, a, end);
+              scores_group<kSrc, P, 3>(qg, k0, ks0, n, dim, scale, d, a, end);
             break;
           default:
             if constexpr (Vec::kRowGroup >= 4)
-              scores_group<kSrc, P, 4>(qg, k0, ldk, ks0, n, dim, scale, d, a, end);
+              scores_group<kSrc, P, 4>(qg, k0, ks0, n, dim, scale, d, a, end);
             break;
         }
       }
@@ -276,9 +302,9 @@ struct RowKernels {
 
   // accumulate_pv_group's pass over the keys for columns [d0, d0 + NV W) of
   // the accumulators; v points at column d0 of the first value row.
-  template <Stored kSrc, typename P, int R, int NV>
-  static void accumulate_pv_chunk(const T* const* p, const P* v, int64_t ldv, const float* vs,
-                                  int64_t n_keys, T* const* acc, int64_t d0, int64_t ahead,
+  template <Stored kSrc, typename P, int R, int NV, typename Rows>
+  static void accumulate_pv_chunk(const T* const* p, Rows v, const float* vs, int64_t n_keys,
+                                  T* const* acc, int64_t d0, int64_t ahead,
                                   int64_t prefetch_end) {
     V a[R][NV];
 #pragma GCC unroll 4
@@ -286,8 +312,8 @@ struct RowKernels {
 #pragma GCC unroll 16
       for (int u = 0; u < NV; ++u) a[r][u] = Vec::load(acc[r] + d0 + u * W);
     for (int64_t j = 0; j < n_keys; ++j) {
-      const P* vj = v + j * ldv;
-      if (ahead && j + ahead < prefetch_end) prefetch_rows(vj + ahead * ldv, ldv, 1, NV * W);
+      const P* vj = v[j] + d0;
+      if (ahead && j + ahead < prefetch_end) prefetch_rows(v[j + ahead] + d0, 0, 1, NV * W);
       V vv[NV];
 #pragma GCC unroll 16
       for (int u = 0; u < NV; ++u) {
@@ -326,9 +352,9 @@ struct RowKernels {
   // each value row is then read, and widened, once for all of them, where
   // two groups of two in registers read and widened it twice (measurements:
   // docs/tuning.md).
-  template <Stored kSrc, typename P, int R>
-  static void accumulate_pv_in_l1(const T* const* p, const P* v, int64_t ldv, const float* vs,
-                                  int64_t n_keys, int64_t dim, T* const* acc, int64_t ahead,
+  template <Stored kSrc, typename P, int R, typename Rows>
+  static void accumulate_pv_in_l1(const T* const* p, Rows v, const float* vs, int64_t n_keys,
+                                  int64_t dim, T* const* acc, int64_t ahead,
                                   int64_t prefetch_end) {
     constexpr int kKeys = R == 1 ? 2 : 4;
     // The rows' pointers in locals: GCC cannot tell that the stores into
@@ -344,13 +370,15 @@ struct RowKernels {
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int u = 0; u < kKeys; ++u) pk[r][u] = Vec::set1(scaled<kSrc>(vs, j + u, p[r][j + u]));
-      const P* vj = v + j * ldv;
+      const P* vr[kKeys];
+#pragma GCC unroll 4
+      for (int u = 0; u < kKeys; ++u) vr[u] = v[j + u];
       if (ahead && j + ahead + kKeys <= prefetch_end)
-        prefetch_rows(vj + ahead * ldv, ldv, kKeys, dim);
+        for (int u = 0; u < kKeys; ++u) prefetch_rows(v[j + ahead + u], 0, 1, dim);
       for (int64_t d = 0; d < dim; d += W) {
         V vv[kKeys];
 #pragma GCC unroll 4
-        for (int u = 0; u < kKeys; ++u) vv[u] = load_stored<kSrc>(vj + u * ldv + d);
+        for (int u = 0; u < kKeys; ++u) vv[u] = load_stored<kSrc>(vr[u] + d);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           V a = Vec::load(out[r] + d);
@@ -361,7 +389,7 @@ struct RowKernels {
       }
     }
     for (; j < n_keys; ++j) {
-      const P* vj = v + j * ldv;
+      const P* vj = v[j];
       V pj[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) pj[r] = Vec::set1(scaled<kSrc>(vs, j, p[r][j]));
@@ -377,9 +405,9 @@ struct RowKernels {
   // accumulate_pv for R rows: each value vector is loaded once for the R
   // rows. Every element takes fma(p_j, v_j, acc) in key order, whatever R
   // and the chunking: the same sums to the bit.
-  template <Stored kSrc, typename P, int R>
-  static void accumulate_pv_group(const T* const* p, const P* v, int64_t ldv, const float* vs,
-                                  int64_t n_keys, int64_t dim, T* const* acc, int64_t ahead,
+  template <Stored kSrc, typename P, int R, typename Rows>
+  static void accumulate_pv_group(const T* const* p, Rows v, const float* vs, int64_t n_keys,
+                                  int64_t dim, T* const* acc, int64_t ahead,
                                   int64_t prefetch_end) {
     // Up to 8 vectors of one row's accumulator stay in registers across the
     // keys, so a value row of up to 8W elements is streamed once; R rows
@@ -388,7 +416,7 @@ struct RowKernels {
     constexpr int kVectors = R == 1 ? 8 : kPvAccumulators / R;
     constexpr int kChunk = kVectors * W;
     if (dim % W == 0 && (dim > kLongestRowInRegisters || R > 2)) {
-      accumulate_pv_in_l1<kSrc, P, R>(p, v, ldv, vs, n_keys, dim, acc, ahead, prefetch_end);
+      accumulate_pv_in_l1<kSrc, P, R>(p, v, vs, n_keys, dim, acc, ahead, prefetch_end);
       return;
     }
     for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
@@ -397,14 +425,14 @@ struct RowKernels {
       // straight-line code, the accumulators in registers (the general form
       // below keeps them on the stack).
       if (len == kChunk) {
-        accumulate_pv_chunk<kSrc, P, R, kVectors>(p, v + d0, ldv, vs, n_keys, acc, d0, ahead,
+        accumulate_pv_chunk<kSrc, P, R, kVectors>(p, v, vs, n_keys, acc, d0, ahead,
                                                   prefetch_end);
         continue;
       }
       if constexpr (kVectors % 2 == 0) {
         if (len == kChunk / 2) {
-          accumulate_pv_chunk<kSrc, P, R, kVectors / 2>(p, v + d0, ldv, vs, n_keys, acc, d0,
-                                                        ahead, prefetch_end);
+          accumulate_pv_chunk<kSrc, P, R, kVectors / 2>(p, v, vs, n_keys, acc, d0, ahead,
+                                                        prefetch_end);
           continue;
         }
       }
@@ -418,8 +446,8 @@ struct RowKernels {
                              : (u == full && tail ? Vec::load_partial(acc[r] + d0 + u * W, tail)
                                                   : Vec::zero());
       for (int64_t j = 0; j < n_keys; ++j) {
-        const P* vj = v + j * ldv + d0;
-        if (ahead && j + ahead < prefetch_end) prefetch_rows(vj + ahead * ldv, ldv, 1, len);
+        const P* vj = v[j] + d0;
+        if (ahead && j + ahead < prefetch_end) prefetch_rows(v[j + ahead] + d0, 0, 1, len);
         V vv[kVectors];
 #pragma GCC unroll 8
         for (int u = 0; u < kVectors; ++u)
@@ -464,6 +492,11 @@ struct RowKernels {
   static void accumulate_pv_scaled(const T* const* p, int rows, const P* v, int64_t ldv,
                                    const float* vs, int64_t n_keys, int64_t dim, T* const* acc,
                                    bool stream) {
+    accumulate_pv_at<kSrc, P>(p, rows, StridedRows<P>{v, ldv}, vs, n_keys, dim, acc, stream);
+  }
+  template <Stored kSrc, typename P, typename Rows>
+  static void accumulate_pv_at(const T* const* p, int rows, Rows v, const float* vs,
+                               int64_t n_keys, int64_t dim, T* const* acc, bool stream) {
     const int64_t ahead = prefetch_distance<P>(stream, dim);
     const int64_t vectors = (dim + W - 1) / W;
     // As many rows as hold their whole accumulators in registers together,
@@ -476,7 +509,7 @@ struct RowKernels {
     const int64_t sub = rows > group ? row_sub_block<P>(dim) : n_keys;
     for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
       const int64_t n = min64(sub, n_keys - j0);
-      const P* v0 = v + j0 * ldv;
+      const Rows v0 = v.from(j0);
       const float* vs0 = vs ? vs + j0 : nullptr;
       for (int r0 = 0; r0 < rows; r0 += group) {
         const int count = imin(rows - r0, group);
@@ -485,15 +518,15 @@ struct RowKernels {
         T* const* ag = acc + r0;
         const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
         switch (count) {
-          case 1: accumulate_pv_group<kSrc, P, 1>(pg, v0, ldv, vs0, n, dim, ag, a, end); break;
-          case 2: accumulate_pv_group<kSrc, P, 2>(pg, v0, ldv, vs0, n, dim, ag, a, end); break;
+          case 1: accumulate_pv_group<kSrc, P, 1>(pg, v0, vs0, n, dim, ag, a, end); break;
+          case 2: accumulate_pv_group<kSrc, P, 2>(pg, v0, vs0, n, dim, ag, a, end); break;
           case 3:
             if constexpr (Vec::kRowGroup >= 3)
-              accumulate_pv_group<kSrc, P, 3>(pg, v0, ldv, vs0, n, dim, ag, a, end);
+              accumulate_pv_group<kSrc, P, 3>(pg, v0, vs0, n, dim, ag, a, end);
             break;
           default:
             if constexpr (Vec::kRowGroup >= 4)
-              accumulate_pv_group<kSrc, P, 4>(pg, v0, ldv, vs0, n, dim, ag, a, end);
+              accumulate_pv_group<kSrc, P, 4>(pg, v0, vs0, n, dim, ag, a, end);
             break;
         }
       }
@@ -503,6 +536,52 @@ struct RowKernels {
   static void accumulate_pv(const T* const* p, int rows, const T* v, int64_t ldv,
                             int64_t n_keys, int64_t dim, T* const* acc, bool stream) {
     accumulate_pv_of<Stored::kNative>(p, rows, v, ldv, n_keys, dim, acc, stream);
+  }
+
+  // scores and accumulate_pv over listed rows (see KernelTable::scores_listed).
+  static void scores_listed(const T* const* q, int rows, const void* const* k, const float* ks,
+                            int stored, int64_t n_keys, int64_t dim, T scale, T* const* dst) {
+    if constexpr (Vec::kWidens16) {
+      const auto* bits = reinterpret_cast<const uint16_t* const*>(k);
+      switch (stored) {
+        case 1:
+          return scores_at<Stored::kFloat16, uint16_t>(q, rows, ListedRows<uint16_t>{bits}, nullptr,
+                                                       n_keys, dim, scale, dst, true);
+        case 2:
+          return scores_at<Stored::kBfloat16, uint16_t>(q, rows, ListedRows<uint16_t>{bits},
+                                                        nullptr, n_keys, dim, scale, dst, true);
+        case 3:
+          return scores_at<Stored::kInt8, int8_t>(
+              q, rows, ListedRows<int8_t>{reinterpret_cast<const int8_t* const*>(k)}, ks, n_keys,
+              dim, scale, dst, true);
+        default: break;
+      }
+    }
+    scores_at<Stored::kNative, T>(q, rows, ListedRows<T>{reinterpret_cast<const T* const*>(k)},
+                                  nullptr, n_keys, dim, scale, dst, true);
+  }
+  static void accumulate_pv_listed(const T* const* p, int rows, const void* const* v,
+                                   const float* vs, int stored, int64_t n_keys, int64_t dim,
+                                   T* const* acc) {
+    if constexpr (Vec::kWidens16) {
+      const auto* bits = reinterpret_cast<const uint16_t* const*>(v);
+      switch (stored) {
+        case 1:
+          return accumulate_pv_at<Stored::kFloat16, uint16_t>(p, rows, ListedRows<uint16_t>{bits},
+                                                              nullptr, n_keys, dim, acc, true);
+        case 2:
+          return accumulate_pv_at<Stored::kBfloat16, uint16_t>(
+              p, rows, ListedRows<uint16_t>{bits}, nullptr, n_keys, dim, acc, true);
+        case 3:
+          return accumulate_pv_at<Stored::kInt8, int8_t>(
+              p, rows, ListedRows<int8_t>{reinterpret_cast<const int8_t* const*>(v)}, vs, n_keys,
+              dim, acc, true);
+        default: break;
+      }
+    }
+    accumulate_pv_at<Stored::kNative, T>(p, rows,
+                                         ListedRows<T>{reinterpret_cast<const T* const*>(v)},
+                                         nullptr, n_keys, dim, acc, true);
   }
 };
 
