@@ -202,7 +202,7 @@ def report_lines(run: dict) -> list[str]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts (default 1 2)")
+    p.add_argument("--threads", type=int, nargs="+", help="thread counts (default 1 2; --quick 1)")
     p.add_argument("--dtypes", nargs="+", choices=CACHE_DTYPES, default=list(CACHE_DTYPES),
                    help="cache dtypes of the decode case")
     p.add_argument("--block-size", type=int, default=16, help="tokens per cache block (default 16)")
@@ -216,8 +216,8 @@ def parse_args(argv=None):
     p.add_argument(WORKER_FLAG, type=int, metavar="N", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
+    opts.threads = opts.threads or ([1] if opts.quick else [1, 2])
     if opts.quick:
-        opts.threads = opts.threads if argv and "--threads" in argv else [1]
         opts.dtypes = ["float32"]
     opts.rounds = opts.rounds or (2 if opts.quick else 7)
     opts.block_seconds = opts.block_seconds or (0.02 if opts.quick else 0.3)

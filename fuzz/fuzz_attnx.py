@@ -7,7 +7,10 @@
 ``TransformerEncoderLayer`` / ``TransformerDecoderLayer`` (alone or in their stacks, with their
 parameters changed, masks of every kind), ``TransformerDecoder.step`` (a few decoding steps
 over a ``TransformerDecoderCache``, a layer broken for one of them), ``varlen_attention``
-(ragged batches packed along the first axis, malformed ``cu_seqlens`` offsets), and the private
+(ragged batches packed along the first axis, malformed ``cu_seqlens`` offsets),
+``PagedKVCache`` with ``paged_attention`` (a small pool served over a few steps: sequences
+joining, forking, leaving and cut back, prefill and decode rows in one call, rotary
+embeddings, a pool that runs out), and the private
 ``_core.sdpa`` / ``_testing.run_sdpa`` / ``_core.mha`` / ``_core.MhaWeights`` --
 built as a valid call that is then mutated 0 to 3 times: an argument replaced by a
 malformed value (wrong rank, shape, dtype, strides, byte order, alignment, a list, a
@@ -20,8 +23,8 @@ another shape (they must raise), and ``CausalBias`` masks for sdpa. Each entry p
 * a result equal to the float64 reference's (``attnx.reference``, to the contract's
   tolerances, NaN/Inf where it has them) -- and an unmutated call must give one; a call
   with ``precision="bfloat16"`` (drawn for sdpa, multi-head attention, the module, the caches,
-  the decoding steps, the transformer layers and varlen_attention) against the reference of
-  the same rounding, within BF16_TOL of the values' magnitude;
+  the decoding steps, the transformer layers, varlen_attention and paged_attention) against
+  the reference of the same rounding, within BF16_TOL of the values' magnitude;
 * ``ValueError``, ``TypeError`` or ``NotImplementedError``;
 * ``MemoryError`` only for requests that are truly huge (flagged where they are built).
 
@@ -51,6 +54,7 @@ The modules, in fuzz/attnx_fuzz/::
     threads.py      set_num_threads
     core.py         the private _core.sdpa, _testing.run_sdpa, _core.MhaWeights, _core.mha
     kv_cache.py     KVCache with cached_attention
+    paged_cache.py  PagedKVCache with paged_attention
     mha_step.py     multi_head_attention_step
     transformer.py  the transformer layers and stacks; TransformerDecoder.step
 
@@ -92,7 +96,9 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 # attnx_fuzz before attnx: its __init__ imports attnx instrumented under --engine atheris.
-from attnx_fuzz import core, kv_cache, mha, mha_module, mha_step, sdpa, threads, transformer, varlen  # noqa: E402
+from attnx_fuzz import (  # noqa: E402
+    core, kv_cache, mha, mha_module, mha_step, paged_cache, sdpa, threads, transformer, varlen,
+)
 from attnx_fuzz.common import BASE_THREADS, OUTCOMES, Provider  # noqa: E402
 
 import attnx  # noqa: E402
@@ -114,6 +120,7 @@ ENTRY_POINTS = [
     transformer.fuzz_transformer_layer,
     transformer.fuzz_transformer_step,
     varlen.fuzz_varlen,
+    paged_cache.fuzz_paged_cache,
 ]
 
 

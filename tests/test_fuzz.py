@@ -63,7 +63,8 @@ def test_short_fixed_seed_fuzz_run(tmp_path):
     outcomes = result["outcomes"]
     # Every entry point ran, and the oracle compared results.
     for entry in ("fuzz_sdpa", "fuzz_mha", "fuzz_module", "fuzz_core", "fuzz_set_num_threads", "fuzz_cache",
-                  "fuzz_step", "fuzz_transformer_layer", "fuzz_transformer_step", "fuzz_varlen"):
+                  "fuzz_step", "fuzz_transformer_layer", "fuzz_transformer_step", "fuzz_varlen",
+                  "fuzz_paged_cache"):
         assert outcomes.get(f"entry {entry}", 0) > 0, entry
     assert outcomes.get("result checked", 0) > inputs // 5
 
@@ -188,6 +189,46 @@ def test_the_varlen_oracle_catches_a_wrong_result_and_accepted_bad_offsets(monke
     monkeypatch.setattr(fz.attnx, "varlen_attention", lenient)
     assert failures("computed with invalid offsets") > 10
     assert failures("computed with query heads") > 3
+
+
+def test_the_paged_oracle_catches_a_wrong_result_a_late_error_and_a_changed_pool(monkeypatch):
+    """paged_attention's checks have teeth: a result 1% off fails; so does a call that appends
+    its keys and then raises (an allowed ValueError, too late), and one that computes right but
+    then writes into blocks it was not asked to (held by other sequences too). The real one
+    passes the same inputs."""
+    fz = load_fuzz_module()
+    entry = bytes([fz.ENTRY_POINTS.index(fz.paged_cache.fuzz_paged_cache)])
+    real = attnx.paged_attention
+
+    def failures(message, inputs=300):
+        caught = 0
+        for i in range(inputs):
+            try:
+                fz.TestOneInput(entry + np.random.default_rng(i).bytes(300))
+            except AssertionError as exc:
+                caught += message in str(exc)
+        return caught
+
+    assert failures("", 150) == 0
+    monkeypatch.setattr(fz.attnx, "paged_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    assert failures("Not equal to tolerance") > 10
+
+    def late_error(query, cache, seqs, query_lens=None, key=None, value=None, **kwargs):
+        result = real(query, cache, seqs, query_lens, key, value, **kwargs)
+        if key is not None:
+            raise ValueError("after the append")
+        return result
+
+    monkeypatch.setattr(fz.attnx, "paged_attention", late_error)
+    assert failures("after changing the cache") > 10
+
+    def stray_write(query, cache, seqs, *args, **kwargs):
+        result = real(query, cache, seqs, *args, **kwargs)
+        cache._key[..., :1, :] += 1  # the first row of every block, held or free
+        return result
+
+    monkeypatch.setattr(fz.attnx, "paged_attention", stray_write)
+    assert failures("read back from the pool differ") > 10
 
 
 # ---------------------------------------------------------------------------------------------

@@ -714,6 +714,20 @@ def test_nan_key_in_causal_band_fills_the_whole_weights_row(rng, L, S, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L", [2, 7, 40], ids=["rows", "tile", "tiles"])
+def test_nan_key_fills_the_weights_of_trailing_padding(rng, L, dtype):
+    # A key padding mask of trailing padding is run as the keys' lengths (the padded keys are
+    # never read), but their weights are those of masked keys: NaN in a NaN row, as in torch.
+    args = mha_args(rng, L=L, S=12, N=2, E=8, H=2, dtype=dtype, average_attn_weights=False)
+    args["key_padding_mask"] = np.arange(12)[None, :] >= np.array([[9], [5]])
+    args["key"][2, 0] = np.inf  # a real key of batch 0 (seq-first: key[s, n])
+    with np.errstate(invalid="ignore"):
+        out, w = check(args)
+    assert np.isnan(w[0]).all() and np.isfinite(w[1]).all()
+    assert (w[1][..., 5:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
 @pytest.mark.parametrize("L", [5, 40], ids=["rows", "tiles"])
 @pytest.mark.parametrize("value", [np.inf, np.nan], ids=["inf", "nan"])

@@ -434,3 +434,71 @@ def test_a_mixed_step_equals_its_prefill_and_decode_rows_called_apart(dtype):
             assert_identical(out[cu[i]:cu[i + 1]], alone)
             k, v = gathered(cache, seqs[i])
             assert_close(out[cu[i]:cu[i + 1]], expected_rows(q[cu[i]:cu[i + 1]], k, v, options), f32, atol=5e-6)
+
+
+def test_a_step_that_fails_after_appending_takes_its_rows_back(monkeypatch):
+    """Anything raised once the rows are appended (here: by the core) undoes the append: the
+    lengths, block tables, reference counts and free blocks are as before the call."""
+    rng = np.random.default_rng(10)
+    cache = attnx.PagedKVCache(12, 4, 1, 8)
+    a = cache.add_sequence()
+    cache.append([a], randn(rng, (6, 1, 8), f32), randn(rng, (6, 1, 8), f32), [6])
+    b = cache.fork(a)  # a's second block is shared and partly filled: a write copies it
+    before = [(cache.length(s), cache.block_table(s).tolist()) for s in (a, b)], cache.free_blocks
+
+    def broken(*args):
+        raise MemoryError("no memory for the states")
+
+    monkeypatch.setattr(attnx.paged._core, "paged_attention", broken)
+    with pytest.raises(MemoryError):
+        attnx.paged_attention(randn(rng, (7, 1, 8), f32), cache, [a, b], [6, 1],
+                              randn(rng, (7, 1, 8), f32), randn(rng, (7, 1, 8), f32))
+    assert ([(cache.length(s), cache.block_table(s).tolist()) for s in (a, b)], cache.free_blocks) == before
+    monkeypatch.undo()
+    # The pool works on as if the call never happened: both sides still share the block.
+    cache.append([a, b], randn(rng, (2, 1, 8), f32), randn(rng, (2, 1, 8), f32), [1, 1])
+    assert cache.free_blocks == before[1] - 1
+    check_accounting(cache)
+
+
+def test_bfloat16_products_over_a_bfloat16_pool_equal_those_over_a_float32_one():
+    """A bfloat16 pool's rows are rounded copies for bfloat16 products, as any other pool's:
+    (they are not read in place as pairs, which would ignore the block tables)."""
+    bf16 = storage_dtype("bfloat16")
+    rng = np.random.default_rng(11)
+    lens = [3, 30]  # the second sequence spans blocks and is not the first of the call
+    q = randn(rng, (33, 4, 8), f32)
+    k, v = (randn(rng, (33, 2, 8), f32).astype(bf16).astype(f32) for _ in range(2))
+    outs = []
+    for dtype in (f32, bf16):
+        cache = attnx.PagedKVCache(16, 8, 2, 8, dtype)
+        seqs = [cache.add_sequence(), cache.add_sequence()]
+        outs.append(attnx.paged_attention(q, cache, seqs, lens, k, v, precision="bfloat16"))
+    assert_identical(outs[1], outs[0])
+
+
+def test_misaligned_rows_are_quantized_into_an_int8_cache():
+    x = np.arange(12, dtype=f32).reshape(4, 1, 3) / 7
+    buffer = np.frombuffer(bytearray(x.nbytes + 5), np.uint8)
+    misaligned = buffer[1:1 + x.nbytes].view(f32).reshape(x.shape)
+    misaligned[...] = x
+    caches = [attnx.PagedKVCache(8, 5, 1, 3, np.int8) for _ in range(2)]
+    for cache, value in zip(caches, (x, misaligned)):
+        seq = cache.add_sequence()
+        cache.append([seq], x, value, [4])
+    np.testing.assert_array_equal(caches[0].value, caches[1].value)
+    contiguous = attnx.KVCache(1, 1, 4, 3, np.int8)
+    contiguous.append(x.transpose(1, 0, 2)[None], misaligned.transpose(1, 0, 2)[None])
+    np.testing.assert_array_equal(contiguous.value[0, 0], caches[0].value[0, 0, :4])
+
+
+@pytest.mark.parametrize("lens", [[3, 2**64 - 1], [2**63, 2**63], [3, 2**64 - 2]])
+def test_counts_past_int64_raise_and_change_nothing(lens):
+    cache = attnx.PagedKVCache(4, 2, 1, 4)
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    q = np.ones((2, 1, 4), f32)
+    with pytest.raises(ValueError, match="below 2\\*\\*63"):
+        attnx.paged_attention(q, cache, seqs, np.array(lens, np.uint64), q, q)
+    with pytest.raises(ValueError, match="below 2\\*\\*63"):
+        cache.append(seqs, q, q, np.array(lens, np.uint64))
+    assert [cache.length(s) for s in seqs] == [0, 0] and cache.free_blocks == 4

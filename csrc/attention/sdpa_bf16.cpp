@@ -84,7 +84,7 @@ CacheLineArray<uint16_t> rounded_rows(const SdpaArgs<float>& a, const StoredView
 // Whether bfloat16 keys can be read in place as pairs: rows of an even
 // length, each starting on 4 bytes.
 bool pairs_in_place(const StoredView<float>& k) {
-  if (k.storage != Storage::kBFloat16 || k.bits.batch_offsets) return false;
+  if (k.storage != Storage::kBFloat16 || k.bits.batch_offsets || k.paged.present()) return false;
   const bool even = k.shape(3) % 2 == 0 && k.stride(0) % 2 == 0 && k.stride(1) % 2 == 0 &&
                     k.stride(2) % 2 == 0;
   return even && reinterpret_cast<uintptr_t>(k.bits.data) % 4 == 0;
@@ -146,7 +146,8 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool t
   // Values: pairs for the tile path (which reads the caller's values only
   // where it falls back to rows), bfloat16 rows for the others.
   if (!tile_path) {
-    if (a.value.storage != Storage::kBFloat16) {
+    // bfloat16 values are read in place, unless they lie in a pool's blocks.
+    if (a.value.storage != Storage::kBFloat16 || a.value.paged.present()) {
       StridedView<const uint16_t, 4> bits;
       ops.values = rounded_rows(a, a.value, kt, kt16, a.value.shape(3), bits);
       a16.value = bits_view(bits);

@@ -219,7 +219,13 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
   const SdpaPlan& first = parts[0].plan;  // the plan that may align values, check them or map masks
   // Allocated before the parallel region: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
-  T* scratch = calling_thread_scratch<T>(size_t(nthreads) * scratch_per_thread);
+  // The chunk states after the threads' scratch, in the same buffer: every
+  // task writes its rows' states before the merge reads them, so they need
+  // no clearing (a long sequence's states are megabytes: cleared and paged
+  // in afresh on every call, they cost a decoding step a fifth of its time).
+  size_t states_total = 0;
+  for (int p = 0; p < count; ++p) states_total += parts[p].plan.states_size;
+  T* scratch = calling_thread_scratch<T>(size_t(nthreads) * scratch_per_thread + states_total);
   std::vector<AlignedValues<T>> aligned_values(first.align_values ? nthreads : 0);
   for (int i = 0; i < int(aligned_values.size()); ++i) {
     const uintptr_t end = reinterpret_cast<uintptr_t>(scratch + (i + 1) * scratch_per_thread);
@@ -227,8 +233,12 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
     aligned_values[i].data = reinterpret_cast<T*>((start + 63) / 64 * 64);
     aligned_values[i].ld = first.values_ld;
   }
-  std::vector<std::vector<T>> states(static_cast<size_t>(count));
-  for (int p = 0; p < count; ++p) states[size_t(p)].resize(parts[p].plan.states_size);
+  T* states[2] = {};
+  T* next_states = scratch + size_t(nthreads) * scratch_per_thread;
+  for (int p = 0; p < count; ++p) {
+    states[p] = next_states;
+    next_states += parts[p].plan.states_size;
+  }
   FiniteRows finite_values;
   if (first.finite_values)
     finite_values.take(a, kt, parts[0].call.B, parts[0].call.Hk, parts[0].call.S_read, nthreads);
@@ -241,8 +251,9 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
   int64_t total = 0;
   for (int p = 0; p < count; ++p) {
     contexts.push_back(SdpaContext<T>{a, kt, parts[p].plan, finite_values, mask_blocks,
-                                      states[size_t(p)].data(), bf16});
-    tasks.emplace_back(parts[p].plan, parts[p].call.B, parts[p].call.L, parts[p].query_lengths);
+                                      states[p], bf16});
+    tasks.emplace_back(parts[p].plan, parts[p].call.B, parts[p].call.L, parts[p].query_lengths,
+                       parts[p].query_lengths ? a.range.key_lengths : nullptr);
     total += tasks.back().count();
   }
 
@@ -285,13 +296,15 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
     const int64_t chunks = plan.chunks, Hq = parts[p].call.Hq, L = plan.L, Ev = parts[p].call.Ev;
     const int64_t state_size = plan.state_size;
     const int64_t* lengths = parts[p].query_lengths;
-    const T* part_states = states[size_t(p)].data();
+    const T* part_states = states[p];
+    const SdpaTasks& part_tasks = tasks[size_t(p)];
     parallel_for(parts[p].call.B * Hq * L, nthreads, Schedule::kStatic, [&](int64_t row) {
       const int64_t bh = row / L, i = row % L;
       // Packed: rows past the sequence's are another's (or another part's).
       if (i >= (lengths ? lengths[bh / Hq] : query_rows(a, bh / Hq))) return;
-      merge_chunks(part_states + row * chunks * state_size, chunks, state_size, Ev,
-                   a.out.at(bh / Hq, bh % Hq, i));
+      // Only the chunks the sequence has keys in were run (and wrote states).
+      merge_chunks(part_states + row * chunks * state_size, part_tasks.chunks(bh / Hq), state_size,
+                   Ev, a.out.at(bh / Hq, bh % Hq, i));
     });
   }
 }

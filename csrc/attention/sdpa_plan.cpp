@@ -136,17 +136,24 @@ double sdpa_work(const SdpaShape& call) {
   return products * double(call.E + call.Ev) + kStreamedElementWork * streamed;
 }
 
-SdpaTasks::SdpaTasks(const SdpaPlan& plan, int64_t B, int64_t L, const int64_t* query_lengths)
+SdpaTasks::SdpaTasks(const SdpaPlan& plan, int64_t B, int64_t L, const int64_t* query_lengths,
+                     const int64_t* key_lengths)
     : plan_(plan), count_(plan.tasks), query_lengths_(query_lengths) {
   if (!query_lengths) return;
   heads_per_row_ = L > 0 ? plan.rows_per_head / L : 1;
   first_.resize(size_t(B + 1));
+  chunks_.resize(size_t(B));
   first_[0] = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t rows = heads_per_row_ * query_lengths[b];
     const int64_t q_blocks = (rows + plan.rows_per_task - 1) / plan.rows_per_task;
     const int64_t q_groups = (q_blocks + plan.group - 1) / plan.group;
-    first_[size_t(b + 1)] = first_[size_t(b)] + plan.heads * q_groups * plan.chunks;
+    const int64_t chunks =
+        key_lengths ? std::clamp<int64_t>((key_lengths[b] + kKeyChunk - 1) / kKeyChunk, 1,
+                                          plan.chunks)
+                    : plan.chunks;
+    chunks_[size_t(b)] = chunks;
+    first_[size_t(b + 1)] = first_[size_t(b)] + plan.heads * q_groups * chunks;
   }
   count_ = first_.back();
 }
@@ -162,9 +169,10 @@ SdpaTask SdpaTasks::at(int64_t t) const {
     task.q_blocks = (task.rows_per_head + plan_.rows_per_task - 1) / plan_.rows_per_task;
     q_groups = (task.q_blocks + plan_.group - 1) / plan_.group;
   }
-  task.c = t % plan_.chunks;
-  task.qg = (t / plan_.chunks) % q_groups;
-  const int64_t bh = t / (plan_.chunks * q_groups);
+  const int64_t chunks = query_lengths_ ? chunks_[size_t(task.b)] : plan_.chunks;
+  task.c = t % chunks;
+  task.qg = (t / chunks) % q_groups;
+  const int64_t bh = t / (chunks * q_groups);
   if (query_lengths_) {
     task.h = bh;
   } else {

@@ -92,21 +92,26 @@ struct SdpaTask {
 };
 
 // The tasks of a plan, in order: batch, head, query group, key chunk. A
-// packed call's batches have tasks for their own query rows only (a batch of
-// one long sequence among short ones is then cut as finely as a call of it
-// alone), so task t lies in the batch b with first[b] <= t < first[b + 1].
+// packed call's batches have tasks for their own query rows and key chunks
+// only (a batch of one long sequence among short ones is then cut as finely
+// as a call of it alone, and the short ones get no task for keys they do not
+// have), so task t lies in the batch b with first[b] <= t < first[b + 1].
 class SdpaTasks {
  public:
-  // query_lengths: a packed call's (B), else null.
-  SdpaTasks(const SdpaPlan& plan, int64_t B, int64_t L, const int64_t* query_lengths);
+  // query_lengths, key_lengths: a packed call's (B), else null.
+  SdpaTasks(const SdpaPlan& plan, int64_t B, int64_t L, const int64_t* query_lengths,
+            const int64_t* key_lengths);
   int64_t count() const { return count_; }
   SdpaTask at(int64_t t) const;
+  // The key chunks of batch b's rows: those whose states a merge takes.
+  int64_t chunks(int64_t b) const { return chunks_.empty() ? plan_.chunks : chunks_[size_t(b)]; }
 
  private:
   const SdpaPlan& plan_;
   int64_t count_ = 0;
   int64_t heads_per_row_ = 1;    // query heads a row group spans (rows_per_head / L)
   std::vector<int64_t> first_;   // packed: (B + 1)
+  std::vector<int64_t> chunks_;  // packed: (B), each in [1, plan.chunks]
   const int64_t* query_lengths_ = nullptr;
 };
 

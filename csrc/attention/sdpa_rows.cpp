@@ -234,6 +234,9 @@ void rows_with_weights(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0
     const KeyStates states = apply_masks(a, b, h, i, 0, S_read, p);
     std::fill(o, o + Ev, T(0));
     if (!row_probabilities(kt, p, S_read, states.any_open)) continue;  // fully masked row
+    // Keys past the key length (trailing padding, never read) are closed: in a NaN row
+    // (a NaN sum) their weight 0 / sum is NaN too, as torch gives for the padding mask.
+    if (S_read < S && S_read > 0 && std::isnan(p[0])) std::fill(p + S_read, p + S, p[0]);
     round_operands(c, p, S_read);
     for (int64_t j0 = 0; j0 < S_read; j0 += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, S_read - j0);

@@ -45,7 +45,8 @@ template <typename T>
 void merge_chunks(const T* states, int64_t chunks, int64_t stride, int64_t Ev, T* out);
 
 // Rows [i0, i1) of one (b, h) with their probabilities written to the
-// weights. Keys past the batch's key length are not read; their weights are 0.
+// weights. Keys past the batch's key length are not read; their weights are a closed
+// key's: 0, or NaN in a NaN row.
 template <typename T>
 void rows_with_weights(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, int64_t i1,
                        T* scratch);

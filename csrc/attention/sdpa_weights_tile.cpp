@@ -71,9 +71,11 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
   kt.pack_transposed(st, qt, S_end, rows, T(1), p, ldp);
   // (4) softmax over each row, as rows_with_weights: a fully masked row is
   // zero; one with open keys whose scores were all -inf (an Inf in the
-  // inputs) has sum 0 and gives 0/0 = NaN. The keys past S_end (and within
-  // the batch's key length) are closed, weight 0 / sum: NaN where the sum is
-  // NaN (a NaN score) or 0, as in rows_with_weights; past the key length, 0.
+  // inputs) has sum 0 and gives 0/0 = NaN. The keys past S_end are closed,
+  // weight 0 / sum: NaN where the sum is NaN (a NaN score) or 0, as in
+  // rows_with_weights. Keys past a batch's key length (trailing padding,
+  // never read) are closed keys too: a NaN row's weights are NaN there, as
+  // torch gives them for the padding mask they stand for.
   T closed_weight[kMaxTile];
   for (int64_t r = 0; r < rows; ++r) {
     T* pr = p + r * ldp;
@@ -87,11 +89,9 @@ void weights_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0, T* 
     round_operands(c, pr, S_end);
     closed_weight[r] = T(0) / sum;
   }
-  const int64_t closed_end = std::clamp<int64_t>(key_length(a, b), S_end, S);
   for (int64_t r = 0; r < rows; ++r) {
     if (!direct) std::copy_n(w_rows + r * S_lanes, S_end, weights_row(r));
-    std::fill(weights_row(r) + S_end, weights_row(r) + closed_end, closed_weight[r]);
-    std::fill(weights_row(r) + closed_end, weights_row(r) + S, T(0));
+    std::fill(weights_row(r) + S_end, weights_row(r) + S, closed_weight[r]);
   }
 
   // (5) the output: the probabilities times the values (a closed block's

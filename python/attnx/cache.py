@@ -88,10 +88,12 @@ def _quantize(x: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray
     scales of shape x.shape[:-1]); see :class:`KVCache`."""
     if x.dtype not in (np.float32, np.float64):
         x = x.astype(np.float32)
-    rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    # C-contiguous and aligned (the core reads rows of float32 or float64 elements).
+    rows = np.require(x, requirements=["C", "A"]).reshape(-1, x.shape[-1])
     q = np.empty(rows.shape, np.int8)
     scales = np.empty(rows.shape[0], np.float32)
-    _core.quantize_int8(rows, q, scales)
+    if rows.size:  # (NumPy calls an empty array aligned wherever its pointer lies)
+        _core.quantize_int8(rows, q, scales)
     return q.reshape(x.shape), scales.reshape(x.shape[:-1])
 
 

@@ -367,7 +367,7 @@ class PagedKVCache:
         """
         handles, states = self._sequences_of(seqs)
         n = _counts(counts, len(states))
-        total = int(n.sum())
+        total = sum(n.tolist())  # exact: an int64 sum of huge counts could wrap
         k = self._check_rows(key, "key", self._head_dim, total)
         v = self._check_rows(value, "value", self._value_dim, total)
         self._append(handles, states, n, k, v)
@@ -525,8 +525,8 @@ def _counts(counts: Any, count: int, name: str = "counts") -> IntArray:
         if a.dtype.kind not in "iu":
             raise TypeError(f"{name} must be integers, got dtype {a.dtype}")
         raise ValueError(f"{name} must have shape ({count},), one count per sequence, got {shape_str(a.shape)}")
-    if (a < 0).any():
-        raise ValueError(f"{name} must be >= 0, got {a.tolist()}")
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= 2**63):
+        raise ValueError(f"{name} must be >= 0 and below 2**63, got {a.tolist()}")
     return a.astype(np.int64)
 
 
@@ -613,7 +613,7 @@ def paged_attention(
         raise TypeError(f"cache must be an attnx.PagedKVCache, got {type(cache).__name__}")
     handles, states = cache._sequences_of(seqs)
     n = _counts(query_lens, len(states), "query_lens")
-    total = int(n.sum())
+    total = sum(n.tolist())  # exact: an int64 sum of huge counts could wrap
     result_dtype, _ = result_and_compute_dtype(query)
     compute = np.dtype(np.float64) if cache.dtype == np.float64 else np.dtype(np.float32)
     code = 0 if precision is None else precision_code(
