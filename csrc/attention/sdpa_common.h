@@ -52,18 +52,20 @@ struct RowReader {
   }
   // The kind of rows the listed kernels take (KernelTable::scores_listed).
   int stored_kind() const { return q8 ? 3 : bits ? 1 + bits_kind : 0; }
-  // Rows [j0, j0 + n) listed one pointer each into `rows`, and, for int8
-  // rows, their scales into `row_scales`.
-  void list(int64_t j0, int64_t n, const void** rows, float* row_scales) const {
+  // Rows [j0, j0 + n + extra) listed one pointer each into `rows` (the
+  // extra rows only to be asked for ahead), and, for int8 rows, the scales
+  // of [j0, j0 + n) into `row_scales`.
+  void list(int64_t j0, int64_t n, int64_t extra, const void** rows, float* row_scales) const {
     const int64_t element = q8 ? 1 : bits ? 2 : int64_t(sizeof(T)), bytes = ld * element;
     const char* base = q8     ? reinterpret_cast<const char*>(q8)
                        : bits ? reinterpret_cast<const char*>(bits)
                               : reinterpret_cast<const char*>(native);
-    for_each_run(j0, n, [&](int64_t j, int64_t count) {
+    for_each_run(j0, n + extra, [&](int64_t j, int64_t count) {
       const char* row = base + offset(j) * element;
       const void** dst = rows + (j - j0);
       for (int64_t i = 0; i < count; ++i, row += bytes) dst[i] = row;
-      if (q8) std::copy_n(scale_of(j), count, row_scales + (j - j0));
+      if (q8 && j < j0 + n)
+        std::copy_n(scale_of(j), std::min(count, j0 + n - j), row_scales + (j - j0));
     });
   }
   // Calls f(j, n) for the runs of rows [j0, j0 + count), in order.

@@ -72,8 +72,12 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   // Stored rows for more than 4 rows are widened into the buffer as usual.
   const bool listed_keys = keys.blocks && (direct_keys || !keys.stored());
   const bool listed_values = values.blocks && (direct_values || !values.stored());
-  const void* listed[kKeyBlock];   // a block's rows, listed
-  float listed_scales[kKeyBlock];  // and their int8 scales
+  // A block's rows listed, and the next rows (to be asked for ahead, as the
+  // kernels do within a block: at a block's start a contiguous cache has
+  // the hardware prefetchers' stream going, a paged one not).
+  const void* listed[kKeyBlock + kListAhead];
+  float listed_scales[kKeyBlock + kListAhead];  // their int8 scales
+  const int64_t keys_held = std::min(j_end, key_length(a, b));
   const int n_rows = static_cast<int>(rows);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
     // A block of source keys is cut to the rows' keys, or skipped.
@@ -88,9 +92,10 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     // (1) the scores of every row: the kernel takes a few rows through each
     // key at once; the first of them read the block from memory, the others
     // from cache.
+    const int64_t ahead = std::clamp<int64_t>(keys_held - start - n, 0, kListAhead);
     if (listed_keys) {
-      keys.list(start, n, listed, listed_scales);
-      kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, E,
+      keys.list(start, n, ahead, listed, listed_scales);
+      kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, n + ahead, E,
                        a.query_scale(), s_rows);
     } else if constexpr (std::is_same_v<T, float>) {
       if (direct_keys && keys.q8)
@@ -143,9 +148,9 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
       request_lines_to_l2(lead, lead.size());
     }
     if (listed_values) {
-      values.list(start, n, listed, listed_scales);
-      kt.accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n, Ev,
-                              acc_plain);
+      values.list(start, n, ahead, listed, listed_scales);
+      kt.accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n,
+                              n + ahead, Ev, acc_plain);
     } else if (direct_values) {
       if constexpr (std::is_same_v<T, float>) {
         if (values.q8)

@@ -20,6 +20,10 @@ constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multip
 // values are asked for before the scores, those of the next block's keys
 // before the values (measurements: docs/tuning.md).
 constexpr int64_t kBlockLeadRows = 8;
+// Rows past a block that the row path lists for a paged cache's kernels to
+// ask for ahead: the distance they ask ahead at most (kPrefetchBytes of
+// int8 rows of 128 elements; see docs/tuning.md).
+constexpr int64_t kListAhead = 32;
 
 // Scratch of one row-path task.
 template <typename T>

@@ -172,15 +172,17 @@ struct KernelTable {
 
   // scores and accumulate_pv (streamed) over rows listed one pointer each:
   // key or value j is rows[j], stored as T (stored = 0) or, in the float
-  // tables, float16 (1), bfloat16 (2) or int8 with scales[j] (3). A paged
-  // cache's rows lie in blocks: listed, a block of them is one call, read
-  // and asked for ahead as a contiguous one is. The same bits as the
-  // strided kernels over the same rows.
+  // tables, float16 (1), bfloat16 (2) or int8 with scales[j] (3); the rows
+  // [n_keys, listed) are only asked for ahead. A paged cache's rows lie in
+  // blocks: listed, a block of them is one call, read and asked for ahead
+  // as a contiguous one is. The same bits as the strided kernels over the
+  // same rows.
   void (*scores_listed)(const T* const* q, int rows, const void* const* k, const float* scales,
-                        int stored, int64_t n_keys, int64_t dim, T scale, T* const* dst);
+                        int stored, int64_t n_keys, int64_t listed, int64_t dim, T scale,
+                        T* const* dst);
   void (*accumulate_pv_listed)(const T* const* p, int rows, const void* const* v,
-                               const float* scales, int stored, int64_t n_keys, int64_t dim,
-                               T* const* acc);
+                               const float* scales, int stored, int64_t n_keys, int64_t listed,
+                               int64_t dim, T* const* acc);
 };
 
 const KernelTable<float>& scalar_kernels_f32();

@@ -198,11 +198,13 @@ struct RowKernels {
   static void scores_scaled(const T* const* q, int rows, const P* k, int64_t ldk,
                             const float* ks, int64_t n_keys, int64_t dim, T scale,
                             T* const* dst, bool stream) {
-    scores_at<kSrc, P>(q, rows, StridedRows<P>{k, ldk}, ks, n_keys, dim, scale, dst, stream);
+    scores_at<kSrc, P>(q, rows, StridedRows<P>{k, ldk}, ks, n_keys, n_keys, dim, scale, dst,
+                       stream);
   }
+  // ... where rows [n_keys, listed) may be asked for ahead too (they follow).
   template <Stored kSrc, typename P, typename Rows>
   static void scores_at(const T* const* q, int rows, Rows k, const float* ks, int64_t n_keys,
-                        int64_t dim, T scale, T* const* dst, bool stream) {
+                        int64_t listed, int64_t dim, T scale, T* const* dst, bool stream) {
     const int64_t ahead = prefetch_distance<P>(stream, dim);
     const int64_t sub = rows > Vec::kRowGroup ? row_sub_block<P>(dim) : n_keys;
     for (int64_t j0 = 0; j0 < n_keys; j0 += sub) {
@@ -214,7 +216,7 @@ struct RowKernels {
         T* d[Vec::kRowGroup];
         for (int i = 0; i < count; ++i) d[i] = dst[r0 + i] + j0;
         const T* const* qg = q + r0;
-        const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
+        const int64_t a = r0 == 0 ? ahead : 0, end = listed - j0;
         switch (count) {
           case 1: scores_group<kSrc, P, 1>(qg, k0, ks0, n, dim, scale, d, a, end); break;
           case 2: scores_group<kSrc, P, 2>(qg, k0, ks0, n, dim, scale, d, a, end); break;
@@ -492,11 +494,14 @@ struct RowKernels {
   static void accumulate_pv_scaled(const T* const* p, int rows, const P* v, int64_t ldv,
                                    const float* vs, int64_t n_keys, int64_t dim, T* const* acc,
                                    bool stream) {
-    accumulate_pv_at<kSrc, P>(p, rows, StridedRows<P>{v, ldv}, vs, n_keys, dim, acc, stream);
+    accumulate_pv_at<kSrc, P>(p, rows, StridedRows<P>{v, ldv}, vs, n_keys, n_keys, dim, acc,
+                              stream);
   }
+  // ... where rows [n_keys, listed) may be asked for ahead too (they follow).
   template <Stored kSrc, typename P, typename Rows>
   static void accumulate_pv_at(const T* const* p, int rows, Rows v, const float* vs,
-                               int64_t n_keys, int64_t dim, T* const* acc, bool stream) {
+                               int64_t n_keys, int64_t listed, int64_t dim, T* const* acc,
+                               bool stream) {
     const int64_t ahead = prefetch_distance<P>(stream, dim);
     const int64_t vectors = (dim + W - 1) / W;
     // As many rows as hold their whole accumulators in registers together,
@@ -516,7 +521,7 @@ struct RowKernels {
         const T* pg[Vec::kRowGroup];
         for (int i = 0; i < count; ++i) pg[i] = p[r0 + i] + j0;
         T* const* ag = acc + r0;
-        const int64_t a = r0 == 0 ? ahead : 0, end = n_keys - j0;
+        const int64_t a = r0 == 0 ? ahead : 0, end = listed - j0;
         switch (count) {
           case 1: accumulate_pv_group<kSrc, P, 1>(pg, v0, vs0, n, dim, ag, a, end); break;
           case 2: accumulate_pv_group<kSrc, P, 2>(pg, v0, vs0, n, dim, ag, a, end); break;
@@ -540,48 +545,51 @@ struct RowKernels {
 
   // scores and accumulate_pv over listed rows (see KernelTable::scores_listed).
   static void scores_listed(const T* const* q, int rows, const void* const* k, const float* ks,
-                            int stored, int64_t n_keys, int64_t dim, T scale, T* const* dst) {
+                            int stored, int64_t n_keys, int64_t listed, int64_t dim, T scale,
+                            T* const* dst) {
     if constexpr (Vec::kWidens16) {
       const auto* bits = reinterpret_cast<const uint16_t* const*>(k);
       switch (stored) {
         case 1:
           return scores_at<Stored::kFloat16, uint16_t>(q, rows, ListedRows<uint16_t>{bits}, nullptr,
-                                                       n_keys, dim, scale, dst, true);
+                                                       n_keys, listed, dim, scale, dst, true);
         case 2:
           return scores_at<Stored::kBfloat16, uint16_t>(q, rows, ListedRows<uint16_t>{bits},
-                                                        nullptr, n_keys, dim, scale, dst, true);
+                                                        nullptr, n_keys, listed, dim, scale, dst,
+                                                        true);
         case 3:
           return scores_at<Stored::kInt8, int8_t>(
               q, rows, ListedRows<int8_t>{reinterpret_cast<const int8_t* const*>(k)}, ks, n_keys,
-              dim, scale, dst, true);
+              listed, dim, scale, dst, true);
         default: break;
       }
     }
     scores_at<Stored::kNative, T>(q, rows, ListedRows<T>{reinterpret_cast<const T* const*>(k)},
-                                  nullptr, n_keys, dim, scale, dst, true);
+                                  nullptr, n_keys, listed, dim, scale, dst, true);
   }
   static void accumulate_pv_listed(const T* const* p, int rows, const void* const* v,
-                                   const float* vs, int stored, int64_t n_keys, int64_t dim,
-                                   T* const* acc) {
+                                   const float* vs, int stored, int64_t n_keys, int64_t listed,
+                                   int64_t dim, T* const* acc) {
     if constexpr (Vec::kWidens16) {
       const auto* bits = reinterpret_cast<const uint16_t* const*>(v);
       switch (stored) {
         case 1:
           return accumulate_pv_at<Stored::kFloat16, uint16_t>(p, rows, ListedRows<uint16_t>{bits},
-                                                              nullptr, n_keys, dim, acc, true);
+                                                              nullptr, n_keys, listed, dim, acc,
+                                                              true);
         case 2:
           return accumulate_pv_at<Stored::kBfloat16, uint16_t>(
-              p, rows, ListedRows<uint16_t>{bits}, nullptr, n_keys, dim, acc, true);
+              p, rows, ListedRows<uint16_t>{bits}, nullptr, n_keys, listed, dim, acc, true);
         case 3:
           return accumulate_pv_at<Stored::kInt8, int8_t>(
               p, rows, ListedRows<int8_t>{reinterpret_cast<const int8_t* const*>(v)}, vs, n_keys,
-              dim, acc, true);
+              listed, dim, acc, true);
         default: break;
       }
     }
     accumulate_pv_at<Stored::kNative, T>(p, rows,
                                          ListedRows<T>{reinterpret_cast<const T* const*>(v)},
-                                         nullptr, n_keys, dim, acc, true);
+                                         nullptr, n_keys, listed, dim, acc, true);
   }
 };
 
