@@ -64,9 +64,7 @@ from .functional import (
     scaled_dot_product_attention,
 )
 from .modules import MultiheadAttention
-from .paged import CacheFullError, PagedKVCache, paged_attention
 from .ragged import varlen_attention
-from .rotary import RotaryEmbedding
 from .transformer import (
     Transformer,
     TransformerDecoder,
@@ -104,28 +102,41 @@ __all__ = [
     "varlen_attention",
 ]
 
-# Submodules imported on first use rather than with attnx (keeps `import attnx`
-# short): `attnx.reference.X`, `from attnx import reference` and
-# `import attnx.reference` all work.
+# Submodules, and the names of the serving modules, imported on first use rather
+# than with attnx (keeps `import attnx` short): `attnx.reference.X`,
+# `from attnx import reference`, `import attnx.reference` and
+# `attnx.PagedKVCache` all work.
 _LAZY_SUBMODULES = ("reference",)
+_LAZY_NAMES = {
+    "CacheFullError": "paged",
+    "PagedKVCache": "paged",
+    "paged_attention": "paged",
+    "RotaryEmbedding": "rotary",
+}
 
 if TYPE_CHECKING:
-    # Type checkers see the submodules as plain attributes (and no catch-all __getattr__,
-    # so that a misspelt name is an error).
+    # Type checkers see them as plain attributes (and no catch-all __getattr__, so that a
+    # misspelt name is an error).
     from types import ModuleType
 
     from . import reference
+    from .paged import CacheFullError, PagedKVCache, paged_attention
+    from .rotary import RotaryEmbedding
 else:
 
     def __getattr__(name: str) -> "ModuleType":
-        if name in _LAZY_SUBMODULES:
-            import importlib
+        import importlib
 
+        if name in _LAZY_SUBMODULES:
             # Importing the submodule also binds it as an attribute of this package,
             # so this runs once per name.
             return importlib.import_module(f"{__name__}.{name}")
+        if name in _LAZY_NAMES:
+            value = getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
+            globals()[name] = value  # once per name
+            return value
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES) | set(_LAZY_NAMES))

@@ -58,6 +58,18 @@ def varlen_attention(
     options: SdpaOptions,
     out: npt.NDArray[np.floating[Any]],
 ) -> None: ...
+def paged_attention(
+    query: npt.NDArray[np.floating[Any]],
+    key_pool: npt.NDArray[Any],
+    value_pool: npt.NDArray[Any],
+    key_scales: npt.NDArray[np.float32] | None,
+    value_scales: npt.NDArray[np.float32] | None,
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int64],
+    cu_seqlens_q: npt.NDArray[np.int64],
+    options: SdpaOptions,
+    out: npt.NDArray[np.floating[Any]],
+) -> None: ...
 def quantize_int8(
     src: npt.NDArray[np.floating[Any]], dst: npt.NDArray[np.int8], scales: npt.NDArray[np.float32]
 ) -> None: ...

@@ -44,12 +44,12 @@ from ._arrays import (
     window_bounds,
 )
 from .cache import KVCache
-from .rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
     from ._typing import FloatArray, IntArray, Precision
+    from .rotary import RotaryEmbedding
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -597,6 +597,8 @@ def _rotate_new(rope: Any, q: np.ndarray, key: Any, n: IntArray, cache: KVCache,
     tokens (t >= n_b) are rotated at position 0: they are neither stored nor attended
     from. Only the new rows are rotated, never the cache.
     """
+    from .rotary import RotaryEmbedding  # imported on first use, as attnx.RotaryEmbedding is
+
     if not isinstance(rope, RotaryEmbedding):
         raise TypeError(f"rope must be an attnx.RotaryEmbedding or None, got {type(rope).__name__}")
     B, _, T, E = q.shape

@@ -44,6 +44,15 @@ __all__ = ["CacheFullError", "PagedKVCache", "paged_attention"]
 class CacheFullError(ValueError):
     """Appending needs more blocks than a :class:`PagedKVCache` has free; nothing was written.
 
+    Parameters
+    ----------
+    message : str
+        What was appended, to which sequences, and how to make room.
+    needed : int
+        Blocks the append needed.
+    free : int
+        Blocks that were free.
+
     Attributes
     ----------
     needed : int
@@ -258,11 +267,32 @@ class PagedKVCache:
         return state
 
     def length(self, seq: int) -> int:
-        """Tokens held by sequence ``seq``."""
+        """Tokens held by sequence ``seq``.
+
+        Parameters
+        ----------
+        seq : int
+            A live sequence handle.
+
+        Returns
+        -------
+        int
+        """
         return self._sequence(seq).length
 
     def block_table(self, seq: int) -> IntArray:
-        """The blocks of sequence ``seq`` in order, as a read-only int32 array."""
+        """The blocks of sequence ``seq``, in order.
+
+        Parameters
+        ----------
+        seq : int
+            A live sequence handle.
+
+        Returns
+        -------
+        ndarray of int32, shape (ceil(length / block_size),)
+            A read-only copy: token ``j`` is row ``j % block_size`` of block ``table[j // block_size]``.
+        """
         table = np.array(self._sequence(seq).blocks, np.int32)
         table.flags.writeable = False
         return table
@@ -278,15 +308,31 @@ class PagedKVCache:
         return handle
 
     def add_sequence(self) -> int:
-        """A new, empty sequence: its handle. It takes no block until tokens are appended."""
+        """A new, empty sequence. It takes no block until tokens are appended.
+
+        Returns
+        -------
+        int
+            Its handle.
+        """
         return self._new_handle(_Sequence([], 0))
 
     def fork(self, seq: int) -> int:
-        """A new sequence holding the tokens of ``seq``, sharing its blocks: its handle.
+        """A new sequence holding the tokens of ``seq``, sharing its blocks.
 
         No block is taken or copied. When either sequence later writes into a block both
         hold (the last one, partly filled), that sequence gets its own copy of the block:
         a fork costs at most one block per sequence that goes on.
+
+        Parameters
+        ----------
+        seq : int
+            A live sequence handle.
+
+        Returns
+        -------
+        int
+            The new sequence's handle.
         """
         state = self._sequence(seq)
         for block in state.blocks:
@@ -294,7 +340,13 @@ class PagedKVCache:
         return self._new_handle(_Sequence(list(state.blocks), state.length))
 
     def remove(self, seq: int) -> None:
-        """End sequence ``seq``: its blocks that no other sequence holds are freed."""
+        """End sequence ``seq``: its blocks that no other sequence holds are freed.
+
+        Parameters
+        ----------
+        seq : int
+            A live sequence handle; it is not valid afterwards.
+        """
         state = self._sequence(seq)
         self._release(reversed(state.blocks))
         del self._seqs[operator.index(seq)]
@@ -303,6 +355,13 @@ class PagedKVCache:
         """Drop the newest tokens of ``seq``, keeping its first ``length`` (speculative decoding).
 
         Blocks past the ones the kept tokens fill are released.
+
+        Parameters
+        ----------
+        seq : int
+            A live sequence handle.
+        length : int
+            Tokens to keep, in ``[0, length(seq)]``.
         """
         state = self._sequence(seq)
         try:
