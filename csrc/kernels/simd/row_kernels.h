@@ -76,17 +76,9 @@ struct RowKernels {
       return (void)row_scales, (void)j, x;
   }
 
-  // Where the key or value rows are: one after another, ld apart (an array,
-  // a contiguous cache), or listed one pointer each (a paged cache's rows,
-  // which lie in blocks). The kernels read both alike, so a row's results do
-  // not depend on where it lies.
-  template <typename P>
-  struct StridedRows {
-    const P* base;
-    int64_t ld;
-    const P* operator[](int64_t j) const { return base + j * ld; }
-    StridedRows from(int64_t j) const { return {base + j * ld, ld}; }
-  };
+  // The key or value rows, listed one pointer each: the kernels read rows
+  // wherever they lie, one after another (an array, a contiguous cache:
+  // listed a chunk at a time, see list_strided) or in blocks (a paged cache).
   template <typename P>
   struct ListedRows {
     const P* const* rows;
@@ -198,8 +190,34 @@ struct RowKernels {
   static void scores_scaled(const T* const* q, int rows, const P* k, int64_t ldk,
                             const float* ks, int64_t n_keys, int64_t dim, T scale,
                             T* const* dst, bool stream) {
-    scores_at<kSrc, P>(q, rows, StridedRows<P>{k, ldk}, ks, n_keys, n_keys, dim, scale, dst,
-                       stream);
+    for_strided_chunks(rows, k, ldk, n_keys, [&](const P* const* list, int64_t j0, int64_t n,
+                                                 int64_t listed, int r0, int count) {
+      T* d[kListRows];
+      for (int r = 0; r < count; ++r) d[r] = dst[r0 + r] + j0;
+      scores_at<kSrc, P>(q + r0, count, ListedRows<P>{list}, ks ? ks + j0 : nullptr, n, listed,
+                         dim, scale, d, stream);
+    });
+  }
+
+  // Rows one after another, ld apart, listed kListChunk at a time (a
+  // multiple of 4: the score kernels group keys by four from a call's
+  // first, so every key meets the same arithmetic as in one call), with
+  // the rows after each chunk that the kernels ask for ahead (kPrefetchBytes
+  // of rows of at least kPrefetchMinRowBytes), and the rows kListRows at a
+  // time: f(list, j0, n, listed, r0, count) for each.
+  static constexpr int64_t kListChunk = 128;
+  static constexpr int64_t kListAhead = kPrefetchBytes / kPrefetchMinRowBytes;
+  static constexpr int kListRows = 32;
+  template <typename P, typename F>
+  static void for_strided_chunks(int rows, const P* base, int64_t ld, int64_t n_keys, F&& f) {
+    const P* list[kListChunk + kListAhead];
+    for (int64_t j0 = 0; j0 < n_keys; j0 += kListChunk) {
+      const int64_t n = min64(kListChunk, n_keys - j0);
+      const int64_t listed = n + min64(kListAhead, n_keys - j0 - n);
+      const P* row = base + j0 * ld;
+      for (int64_t i = 0; i < listed; ++i, row += ld) list[i] = row;
+      for (int r0 = 0; r0 < rows; r0 += kListRows) f(list, j0, n, listed, r0, imin(rows - r0, kListRows));
+    }
   }
   // ... where rows [n_keys, listed) may be asked for ahead too (they follow).
   template <Stored kSrc, typename P, typename Rows>
@@ -494,8 +512,14 @@ struct RowKernels {
   static void accumulate_pv_scaled(const T* const* p, int rows, const P* v, int64_t ldv,
                                    const float* vs, int64_t n_keys, int64_t dim, T* const* acc,
                                    bool stream) {
-    accumulate_pv_at<kSrc, P>(p, rows, StridedRows<P>{v, ldv}, vs, n_keys, n_keys, dim, acc,
-                              stream);
+    // Each accumulator takes its keys' terms in key order, chunk after chunk.
+    for_strided_chunks(rows, v, ldv, n_keys, [&](const P* const* list, int64_t j0, int64_t n,
+                                                 int64_t listed, int r0, int count) {
+      const T* pr[kListRows];
+      for (int r = 0; r < count; ++r) pr[r] = p[r0 + r] + j0;
+      accumulate_pv_at<kSrc, P>(pr, count, ListedRows<P>{list}, vs ? vs + j0 : nullptr, n, listed,
+                                dim, acc + r0, stream);
+    });
   }
   // ... where rows [n_keys, listed) may be asked for ahead too (they follow).
   template <Stored kSrc, typename P, typename Rows>
