@@ -184,7 +184,8 @@ def scale_view(x):
 def compare_layer(got, expected, spread, dtype, what, inputs, unit=None, skip_rows=None, bf16=False):
     """compare() for a transformer layer's or decoder's result (in canonical (N, L, E) order):
     within LAYER_TOL[dtype] plus 16 times the reference's own spread between float32 and
-    float64 (`spread`: the float32 reference's result; the largest difference in each row,
+    float64 (`spread`: the float32 reference's result, or a tuple of such results (one of them
+    with its inputs nudged by a few roundoffs): the largest difference in each row,
     scaled from float32's unit roundoff to `unit`, the least precise one the computation went
     through: a half-precision cache's), so that a row a norm amplifies rounding in (tiny
     variance) is judged by that amplification; where `unit` is coarser than `dtype`'s, also
@@ -219,7 +220,8 @@ def compare_layer(got, expected, spread, dtype, what, inputs, unit=None, skip_ro
     tol = LAYER_TOL[dtype]
     factor = (UNIT[dtype] if unit is None else unit) / UNIT[F32]
     with np.errstate(all="ignore"):
-        widen = np.nan_to_num(np.abs(np.asarray(spread, np.float64) - e), nan=np.inf)
+        spreads = spread if isinstance(spread, tuple) else (spread,)
+        widen = np.max([np.nan_to_num(np.abs(np.asarray(x, np.float64) - e), nan=np.inf) for x in spreads], axis=0)
         if widen.size:  # each row's largest spread: its norm's conditioning
             widen = np.broadcast_to(widen.max(axis=-1, keepdims=True), widen.shape)
         allowed = tol["atol"] + tol["rtol"] * np.abs(e) + 16 * factor * widen
@@ -401,9 +403,12 @@ def fuzz_transformer_layer(p: Provider):
                              f"{key} of shape {np.shape(plain(x))}, expected {shape}")
     params = layer_params(module, dtype)
 
-    def reference_in(run_dtype, rounded=False):
+    def reference_in(run_dtype, rounded=False, nudged=False):
+        # nudged: the inputs a few units of float32's roundoff off, to see how much the layer
+        # amplifies a rounding error (a norm over nearly equal values does, at any precision).
         def arr(name):
-            return np.asarray(plain(args[name])).astype(dtype).astype(run_dtype)
+            x = np.asarray(plain(args[name])).astype(dtype).astype(run_dtype)
+            return x * run_dtype(1 + 2.0**-21) if nudged else x
 
         masks = {n: plain(args[n]) for n in arrays[1 + decoder:]}
         if stack and not decoder:
@@ -440,7 +445,9 @@ def fuzz_transformer_layer(p: Provider):
             spread = reference_of(lambda: reference_in(np.float64))
         else:
             expected = reference_of(lambda: reference_in(np.float64))
-            spread = reference_of(lambda: reference_in(np.float32))
+            spread = (reference_of(lambda: reference_in(np.float32)),
+                      reference_of(lambda: reference_in(np.float32, nudged=True)))
+            spread = None if any(x is None for x in spread) else spread
     except Planted:  # the activation raised in the reference: attnx had no rows to give it
         if not no_rows:
             raise Disallowed(f"{what}: a result where the activation raised") from None
@@ -449,7 +456,9 @@ def fuzz_transformer_layer(p: Provider):
         return  # (the reference called an activation that refuses even no rows; attnx had none to give it)
     if expected is None or spread is None:
         raise Disallowed(f"{what}: attnx computed a result for a call the reference rejects")
-    got_rows, exp_rows, spread_rows = (canonical(x, batched, batch_first) for x in (got, expected, spread))
+    got_rows, exp_rows = (canonical(x, batched, batch_first) for x in (got, expected))
+    spread_rows = (tuple(canonical(x, batched, batch_first) for x in spread) if isinstance(spread, tuple)
+                   else canonical(spread, batched, batch_first))
     skip = None
     if args[padding_name] is not None:
         skip = closed_rows(args[padding_name], got_rows.shape[:2])
