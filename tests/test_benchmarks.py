@@ -49,7 +49,7 @@ def run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_readme_shows_commands():
     scripts = {shlex.split(c)[1] for c in readme_commands()}
-    assert {"benchmarks/compare.py", "benchmarks/decode.py", "benchmarks/plot.py",
+    assert {"benchmarks/compare.py", "benchmarks/decode.py", "benchmarks/paged.py", "benchmarks/plot.py",
             "benchmarks/report.py"} <= scripts, scripts
     assert "PYTHONPATH=" not in README.read_text("utf-8")  # the installed attnx is the one timed
 
@@ -73,7 +73,7 @@ def test_results_files_are_named_by_date_machine_commit():
         name = f"{data['date']}-{data['machine']['label']}-{data['commit']}.json"
         assert path.name == name, (path.name, name)
         assert re.fullmatch(r"[0-9a-f]{7,12}|unknown", data["commit"]), data["commit"]
-        assert {"compare", "transformer", "ragged", "decode", "sweep"} & set(data), sorted(data)
+        assert {"compare", "transformer", "ragged", "decode", "sweep", "paged"} & set(data), sorted(data)
         assert data["build"] and data["machine"]["cpu_model"] and data["machine"]["cores"] >= 1
         if "compare" in data:
             threads = {str(r["threads"]) for r in data["compare"]["runs"]}
