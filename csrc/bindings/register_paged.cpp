@@ -23,55 +23,22 @@ namespace attnx::bindings {
 
 namespace {
 
-// A pool of keys or values (num_blocks, H, block_size, D), rows contiguous:
-// of T, or, for a float32 call, float16 / bfloat16, or int8 with a float32
-// scale per row in `scales` (num_blocks, H, block_size).
-template <typename T>
-StoredView<T> pool_view_of(const py::array& pool, const char* name, const OptArray& scales);
-
-// ... with the pool's dim-0 strides as they are: a pool of one block has
-// one too (read as 0, as for other arrays of extent 1, it would say that
-// every sequence's rows are the same rows).
+// A pool of keys or values (num_blocks, H, block_size, D), as stored_view
+// reads keys or values (int8 with `scales` (num_blocks, H, block_size)), with
+// its dim-0 strides as they are: a pool of one block has one too (read as 0,
+// as for other arrays of extent 1, it would say that every sequence's rows
+// are the same rows).
 template <typename T>
 StoredView<T> pool_view(const py::array& pool, const char* name, const OptArray& scales) {
-  StoredView<T> v = pool_view_of<T>(pool, name, scales);
-  const int64_t blocks = pool.strides(0) / pool.itemsize();
-  v.native.stride[0] = v.bits.stride[0] = v.q8.stride[0] = blocks;
-  if (v.storage == Storage::kInt8) v.scales.stride[0] = scales->strides(0) / 4;
-  return v;
-}
-
-template <typename T>
-StoredView<T> pool_view_of(const py::array& pool, const char* name, const OptArray& scales) {
   if (pool.ndim() != 4)
     throw py::value_error(std::string(name) +
                           ": expected a pool (num_blocks, num_kv_heads, block_size, dim), got " +
                           shape_string(pool));
-  StoredView<T> v;
-  if constexpr (std::is_same_v<T, float>) {
-    if (pool.dtype().equal(py::dtype::of<int8_t>())) {
-      const std::string scales_name = std::string(name) + " scales";
-      if (!scales) throw py::type_error(std::string(name) + ": int8 needs a scale per row");
-      v.storage = Storage::kInt8;
-      v.q8 = const_view<int8_t, 4>(pool, name);
-      v.scales = const_view<float, 3>(*scales, scales_name.c_str());
-      require_shape(v.scales, scales_name.c_str(), {v.q8.shape[0], v.q8.shape[1], v.q8.shape[2]});
-      if (v.q8.shape[2] > 1 && v.scales.stride[2] != 1)
-        throw py::value_error(scales_name + ": the last dimension must be contiguous");
-      return v;
-    }
-    if (const Storage half = half_storage(pool); half != Storage::kNative) {
-      check_layout(pool, name, 4, true, false, 2);
-      v.storage = half;
-      v.bits.data = static_cast<const uint16_t*>(pool.data());
-      for (int d = 0; d < 4; ++d) {
-        v.bits.shape[d] = pool.shape(d);
-        v.bits.stride[d] = pool.shape(d) > 1 ? pool.strides(d) / 2 : 0;
-      }
-      return v;
-    }
-  }
-  return StoredView<T>::of(const_view<T, 4>(pool, name));
+  StoredView<T> v = stored_view<T>(pool, name, scales);
+  const int64_t blocks = pool.strides(0) / pool.itemsize();
+  v.native.stride[0] = v.bits.stride[0] = v.q8.stride[0] = blocks;
+  if (v.storage == Storage::kInt8) v.scales.stride[0] = scales->strides(0) / 4;
+  return v;
 }
 
 // The pool seen as (B, H, capacity, D) through the block tables: dim 0 is

@@ -47,6 +47,40 @@ inline Storage half_storage(const py::array& a) {
   return float16 ? Storage::kFloat16 : Storage::kBFloat16;
 }
 
+// Keys or values: an array of T, or, for a float32 call, of float16 or
+// bfloat16 (read in place and widened as they are loaded), or of int8 with
+// a float32 scale per row in `scales` (B, H, S), rows contiguous.
+template <typename T>
+StoredView<T> stored_view(const py::array& a, const char* name, const OptArray& scales) {
+  const py::dtype dt = a.dtype();
+  if constexpr (std::is_same_v<T, float>) {
+    if (dt.equal(py::dtype::of<int8_t>())) {
+      const std::string scales_name = std::string(name) + " scales";
+      if (!scales) throw py::type_error(std::string(name) + ": int8 needs a scale per row");
+      StoredView<T> v;
+      v.storage = Storage::kInt8;
+      v.q8 = const_view<int8_t, 4>(a, name);
+      v.scales = const_view<float, 3>(*scales, scales_name.c_str());
+      require_shape(v.scales, scales_name.c_str(), {v.q8.shape[0], v.q8.shape[1], v.q8.shape[2]});
+      if (v.q8.shape[2] > 1 && v.scales.stride[2] != 1)
+        throw py::value_error(scales_name + ": the last dimension must be contiguous");
+      return v;
+    }
+    if (const Storage half = half_storage(a); half != Storage::kNative) {
+      check_layout(a, name, 4, true, false, 2);
+      StoredView<T> v;
+      v.storage = half;
+      v.bits.data = static_cast<const uint16_t*>(a.data());
+      for (int d = 0; d < 4; ++d) {
+        v.bits.shape[d] = a.shape(d);
+        v.bits.stride[d] = a.shape(d) > 1 ? a.strides(d) / 2 : 0;
+      }
+      return v;
+    }
+  }
+  return StoredView<T>::of(const_view<T, 4>(a, name));
+}
+
 // A window extent: < 0 unbounded; extents past `limit` mean the same as it.
 inline int64_t window_extent(int64_t w, int64_t limit) { return w < 0 ? -1 : std::min(w, limit); }
 
