@@ -14,18 +14,18 @@ Method
 ------
 * **One long-lived worker per build and thread count.** Each is this script run with the
   build's interpreter (``--worker N``), with ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and
-  ``MKL_NUM_THREADS`` set before NumPy is imported (as compare.py does) and without
+  ``MKL_NUM_THREADS`` set before NumPy is imported (as compare.py does, through timing.py) and without
   ``PYTHONPATH``, so it imports the build installed in that environment. The workers answer
   requests as JSON lines over stdin/stdout and stay up for the whole run: imports, input
   generation and set-up are never timed.
-* **Same inputs, same work.** Each worker draws the inputs with compare.py's ``make_inputs``
-  (same seed) and calls attnx through compare.py's ``setup_attnx``. Before timing, each
-  build's output for the first thread count is checked against compare.py's float64 reference,
+* **Same inputs, same work.** Each worker draws the inputs with shapes.py's ``make_inputs``
+  (same seed) and calls attnx through peers.py's ``setup_attnx``. Before timing, each
+  build's output for the first thread count is checked against shapes.py's float64 reference,
   and the two builds' output bytes are compared. Both builds run blocks of the same number of
-  calls: compare.py's calibration to about ``--block-seconds``, the smaller of the two counts.
+  calls: timing.py's calibration to about ``--block-seconds``, the smaller of the two counts.
 * **Interleaved rounds.** Each round runs, for every shape and thread count, one block in the
   before build's worker and one in the after build's, the order alternating between rounds
-  (before/after, then after/before). A block is compare.py's: a ``--pause-ms`` sleep (other
+  (before/after, then after/before). A block is timing.py's ``run_block``: a ``--pause-ms`` sleep (other
   threads stop spinning), then calls timed one by one with ``time.perf_counter``, garbage
   collection off; its median is recorded.
 * **Ratios.** Per shape and thread count: each build's median (the median of its block
@@ -53,11 +53,22 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare  # noqa: E402  (shapes, inputs, attnx set-up and timing; sets the thread variables, imports NumPy)
-from compare import log  # noqa: E402
+# timing comes first: it sets the thread variables of a worker before NumPy is imported.
+import timing  # noqa: E402  (benchmarks/timing.py: timing and thread helpers)
+from timing import log  # noqa: E402
+import peers  # noqa: E402  (benchmarks/peers.py: attnx's set-up)
+import results_file  # noqa: E402  (benchmarks/results_file.py)
+from shapes import (  # noqa: E402  (benchmarks/shapes.py: the shapes, inputs and references)
+    EXTRA_SHAPES,
+    SHAPES,
+    check_output,
+    make_inputs,
+    reference_output,
+    select_shapes,
+)
 from progress import Progress  # noqa: E402  (benchmarks/progress.py; tqdm when installed)
 
-WORKER_FLAG = compare.WORKER_FLAG
+WORKER_FLAG = timing.WORKER_FLAG
 BUILDS = ("before", "after")
 
 
@@ -69,7 +80,7 @@ BUILDS = ("before", "after")
 class WorkerState:
     def __init__(self, threads: int):
         self.threads = threads
-        self.benches: dict[str, compare.Bench] = {}
+        self.benches: dict[str, peers.Bench] = {}
 
     def info(self) -> dict:
         import attnx
@@ -88,27 +99,27 @@ class WorkerState:
 
     def setup(self, req: dict) -> dict:
         """Prepare a shape (inputs, attnx call), optionally check it, and calibrate a block."""
-        shape = compare.select_shapes([req["shape"]])[0]
+        shape = select_shapes([req["shape"]])[0]
         t0 = time.perf_counter()
-        data = compare.make_inputs(shape)
+        data = make_inputs(shape)
         softcap = req.get("softcap")
-        bench = compare.setup_attnx(shape, data, self.threads, softcap)
+        bench = peers.setup_attnx(shape, data, self.threads, softcap)
         out = {"ok": True, "note": bench.note}
         if req.get("check"):
             import numpy as np
 
             got = np.ascontiguousarray(bench.to_numpy(bench.run()))
-            out["check"] = compare.check_output(got, compare.reference_output(shape, data, softcap))
+            out["check"] = check_output(got, reference_output(shape, data, softcap))
             out["output_sha256"] = hashlib.sha256(got.tobytes()).hexdigest()
-        out["calls"] = compare.calibrate(bench.run, req["block_seconds"])
+        out["calls"] = timing.calibrate(bench.run, req["block_seconds"])
         out["setup_s"] = time.perf_counter() - t0
         self.benches[shape.name] = bench
         return out
 
     def block(self, req: dict) -> dict:
         run = self.benches[req["shape"]].run
-        with compare.gc_paused():
-            times = compare.run_block(run, req["calls"], req["pause_ms"] / 1e3)
+        with timing.gc_paused():
+            times = timing.run_block(run, req["calls"], req["pause_ms"] / 1e3)
         return {"ok": True, "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                 "calls": len(times)}
 
@@ -164,7 +175,7 @@ class Worker:
     def __init__(self, build: str, python: str, threads: int):
         self.build, self.python, self.threads = build, python, threads
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update(compare.thread_env(threads))
+        env.update(timing.thread_env(threads))
         self.proc = subprocess.Popen(
             [python, os.path.abspath(__file__), WORKER_FLAG, str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
@@ -222,7 +233,7 @@ def lscpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return compare.cpu_model()
+    return results_file.cpu_model()
 
 
 def ratio_stats(before: list[float], after: list[float]) -> dict:
@@ -299,11 +310,11 @@ def describe_build(name: str, info: dict) -> str:
 
 
 def run(opts) -> dict:
-    shapes = compare.select_shapes(opts.shapes) if opts.shapes else list(compare.SHAPES + compare.EXTRA_SHAPES)
+    shapes = select_shapes(opts.shapes) if opts.shapes else list(SHAPES + EXTRA_SHAPES)
     pythons = {"before": resolve_python(opts.before), "after": resolve_python(opts.after)}
     if opts.wait_quiet > 0:
-        compare.wait_for_quiet_machine(opts.wait_quiet)
-    wall0, busy0, own0 = time.perf_counter(), compare.cpu_busy_seconds(), sum(os.times()[:2])
+        timing.wait_for_quiet_machine(opts.wait_quiet)
+    wall0, busy0, own0 = time.perf_counter(), timing.cpu_busy_seconds(), sum(os.times()[:2])
     workers: dict[tuple[str, int], Worker] = {}
     try:
         for threads in opts.threads:
@@ -361,7 +372,7 @@ def run(opts) -> dict:
             w.close()
 
     background = None
-    busy1 = compare.cpu_busy_seconds()
+    busy1 = timing.cpu_busy_seconds()
     if busy0 is not None and busy1 is not None:
         others = (busy1 - busy0) - (sum(os.times()[:2]) - own0) - cpu_workers
         background = max(0.0, others / ((time.perf_counter() - wall0) * (os.cpu_count() or 1)))
@@ -419,9 +430,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, cores}),
                    help="thread counts, each with its own worker per build (default: 1 and the core count)")
     p.add_argument("--shapes", nargs="+", help="compare.py's shapes by number (1-7) or name (default: all "
-                   f"{len(compare.SHAPES) + len(compare.EXTRA_SHAPES)}): "
-                   + ", ".join(f"{i}={s.name}" for i, s in enumerate(compare.SHAPES, 1))
-                   + ", " + ", ".join(s.name for s in compare.EXTRA_SHAPES))
+                   f"{len(SHAPES) + len(EXTRA_SHAPES)}): "
+                   + ", ".join(f"{i}={s.name}" for i, s in enumerate(SHAPES, 1))
+                   + ", " + ", ".join(s.name for s in EXTRA_SHAPES))
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default 10)")
     p.add_argument("--block-seconds", type=float, default=0.25, help="target length of one block (default 0.25)")
     p.add_argument("--pause-ms", type=float, default=30.0, help="sleep before each block (default 30)")
@@ -439,7 +450,7 @@ def parse_args(argv=None):
         if opts.rounds < 1:
             p.error("--rounds must be at least 1")
         if opts.shapes:
-            compare.select_shapes(opts.shapes)  # validate early
+            select_shapes(opts.shapes)  # validate early
     return opts
 
 

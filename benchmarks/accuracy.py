@@ -14,11 +14,11 @@ torch's initial distributions for the module's weights) go to:
   or AMX, float32 elsewhere. The precision it chose is read back from the compiled model
   (``INFERENCE_PRECISION_HINT``) and printed.
 
-The calls are compare.py's ``--precision bfloat16`` set-ups (``setup_attnx``,
+The calls are compare.py's ``--precision bfloat16`` set-ups (peers.py's ``setup_attnx``,
 ``setup_openvino``): opset13 ScaledDotProductAttention for OpenVINO, with MatMul projections
 for the module.
 
-Each output is compared with compare.py's float64 NumPy reference of the same computation: the
+Each output is compared with shapes.py's float64 NumPy reference of the same computation: the
 max and the mean absolute difference, the worst over ``--seeds`` draws of the inputs. The
 tests' bounds (tests/test_precision.py) are set from these figures and stay within 1.5x
 OpenVINO's bfloat16 error.
@@ -34,18 +34,25 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare  # noqa: E402  (benchmarks/compare.py: the shapes, inputs, reference and OpenVINO models)
+import peers  # noqa: E402  (benchmarks/peers.py: the set-ups of attnx and OpenVINO)
+from shapes import (  # noqa: E402  (benchmarks/shapes.py: the shapes, inputs and references)
+    EXTRA_SHAPES,
+    SHAPES,
+    Shape,
+    make_inputs,
+    reference_output,
+)
 from results_file import cpu_model  # noqa: E402  (benchmarks/results_file.py)
 
 DEFAULT_SHAPES = ("b8-l128", "l1024", "causal-l2048", "d128-l2048", "mha-e768")
 
 
-def output(setup, shape: compare.Shape, data: dict, threads: int, precision: str) -> tuple[np.ndarray, str]:
-    """One call of compare.py's set-up of a library (``compare.setup_attnx``, ...) at `precision`:
+def output(setup, shape: Shape, data: dict, threads: int, precision: str) -> tuple[np.ndarray, str]:
+    """One call of compare.py's set-up of a library (``peers.setup_attnx``, ...) at `precision`:
     its output in compare.py's canonical layout and the set-up's note (OpenVINO's names the
     inference precision it chose)."""
     bench = setup(shape, data, threads, precision=precision)
-    return np.asarray(bench.to_numpy(compare.call_once(bench)), dtype=np.float64), bench.note
+    return np.asarray(bench.to_numpy(peers.call_once(bench)), dtype=np.float64), bench.note
 
 
 def errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
@@ -57,21 +64,21 @@ def measure(names: list[str], seeds: int, threads: int) -> dict:
     import attnx
 
     attnx.set_num_threads(threads)
-    shapes = {s.name: s for s in compare.SHAPES + compare.EXTRA_SHAPES}
+    shapes = {s.name: s for s in SHAPES + EXTRA_SHAPES}
     rows = []
     for name in names:
         shape = shapes[name]
         worst: dict[str, list[float]] = {}
         ov_precision = None
         for seed in range(seeds):
-            data = compare.make_inputs(shape, seed)
-            want = compare.reference_output(shape, data)
-            results = {"attnx bfloat16": output(compare.setup_attnx, shape, data, threads, "bfloat16")[0],
-                       "attnx float32": output(compare.setup_attnx, shape, data, threads, "float32")[0]}
+            data = make_inputs(shape, seed)
+            want = reference_output(shape, data)
+            results = {"attnx bfloat16": output(peers.setup_attnx, shape, data, threads, "bfloat16")[0],
+                       "attnx float32": output(peers.setup_attnx, shape, data, threads, "float32")[0]}
             try:
-                results["openvino"], note = output(compare.setup_openvino, shape, data, threads, "bfloat16")
+                results["openvino"], note = output(peers.setup_openvino, shape, data, threads, "bfloat16")
                 ov_precision = note.rpartition("inference precision ")[2]
-            except compare.NotInstalled:
+            except peers.NotInstalled:
                 ov_precision = "not installed"
             for lib, got in results.items():
                 high, mean = errors(got, want)
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of both libraries")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
-    known = {s.name for s in compare.SHAPES + compare.EXTRA_SHAPES if s.kind in ("sdpa", "mha")}
+    known = {s.name for s in SHAPES + EXTRA_SHAPES if s.kind in ("sdpa", "mha")}
     unknown = [name for name in args.shapes if name not in known]
     if unknown:
         parser.error(f"unknown shapes {unknown}; known: {' '.join(sorted(known))}")

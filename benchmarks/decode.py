@@ -43,7 +43,7 @@ values and query:
 
 Method
 ------
-The helpers of ``compare.py`` (imported from beside this file) do the timing and set the threads:
+The helpers of ``timing.py`` (imported from beside this file) do the timing and set the threads:
 
 * One worker process (this script with ``--worker N``) runs every library and every row, started
   with ``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS``/``MKL_NUM_THREADS`` = ``--threads`` and
@@ -64,14 +64,14 @@ The helpers of ``compare.py`` (imported from beside this file) do the timing and
   share the bytes but not the arithmetic, so attnx's GFLOP/s is reported next to its GB/s.
 * Bytes per step = the K and V read once: ``length * Hkv * 128 * 2 * itemsize`` (int8: plus the
   float32 scale of each row, ``length * Hkv * 2 * 4``). attnx's GB/s is
-  that over its median time, and its fraction of the read bandwidth that ``compare.py``'s
+  that over its median time, and its fraction of the read bandwidth that ``timing.py``'s
   ``measure_read_bandwidth`` achieves over a buffer of the same size, measured just before that
   row (K and V are re-read every step, so they sit in whichever cache level holds them). "fits L3"
   compares the K+V size with the L3 size (sysfs, else ``lscpu``) only: near the L3 size, other
   data and other tenants evict part of it, which the same-size bandwidth shows. For K+V of a few
   MiB or less, per-call overhead is a large part of both times, so that fraction is indicative
   only. The read bandwidth over 512 MiB (DRAM) is reported too, and attnx's fraction of the FP32
-  multiply-add peak that ``compare.py``'s ``measure_fma_peak`` measures on the same threads: with
+  multiply-add peak that ``timing.py``'s ``measure_fma_peak`` measures on the same threads: with
   grouped heads every key and value element takes (32 / Hkv) multiply-adds, so a cache of 2-byte
   or 1-byte elements can be bound by the arithmetic rather than by the bytes.
 * The share of the machine's CPU time used by other processes during the run is reported
@@ -93,14 +93,18 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare  # noqa: E402  (timing, thread and bandwidth helpers; imports NumPy)
-from compare import Bench, NotInstalled, import_optional, log  # noqa: E402
+# timing comes first: it sets the thread variables of a worker before NumPy is imported.
+import timing  # noqa: E402  (benchmarks/timing.py: timing, thread and bandwidth helpers)
+from timing import log  # noqa: E402
+import peers  # noqa: E402  (benchmarks/peers.py)
+from peers import Bench, NotInstalled, import_optional  # noqa: E402
 import results_file  # noqa: E402
 from progress import Progress  # noqa: E402
+from report import decode_table, fmt_bytes  # noqa: E402  (benchmarks/report.py: the tables)
 
 import numpy as np  # noqa: E402
 
-WORKER_FLAG = compare.WORKER_FLAG
+WORKER_FLAG = timing.WORKER_FLAG
 LIBRARIES = ("attnx", "torch", "onnxruntime")
 PEERS = LIBRARIES[1:]
 Q_HEADS = 32
@@ -457,7 +461,7 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
                     f"max_len={length} cache give different results")
         except Exception as exc:
             status["attnx"]["same_as_exact_capacity_cache"] = f"{type(exc).__name__}: {exc}"
-    timings = (compare.measure_interleaved(benches, opts.rounds, opts.block_seconds, opts.pause_ms / 1e3, progress)
+    timings = (timing.measure_interleaved(benches, opts.rounds, opts.block_seconds, opts.pause_ms / 1e3, progress)
                if benches else {})
     if not benches and progress is not None:
         progress.update(opts.rounds)
@@ -496,9 +500,9 @@ def add_comparisons(row: dict, peaks: dict, caches: dict) -> None:
 
 
 def same_size_bandwidth(nbytes: int, threads: int, opts) -> dict | None:
-    """compare.py's read bandwidth over a buffer of `nbytes` (the K+V size), or None without the memory."""
+    """timing.py's read bandwidth over a buffer of `nbytes` (the K+V size), or None without the memory."""
     try:
-        return compare.measure_read_bandwidth(threads, nbytes / 2**20, 3 if opts.quick else 15)
+        return timing.measure_read_bandwidth(threads, nbytes / 2**20, 3 if opts.quick else 15)
     except MemoryError:
         return None
     finally:
@@ -508,11 +512,11 @@ def same_size_bandwidth(nbytes: int, threads: int, opts) -> dict | None:
 def run_worker(threads: int, opts) -> dict:
     libs = [name for name in LIBRARIES if name in opts.libs]
     kv_heads = opts.kv_heads
-    load = compare.BackgroundLoad()
+    load = timing.BackgroundLoad()
     caches = cpu_caches()
     log(f"[threads={threads}] measuring the DRAM read bandwidth ...")
-    peaks = {"read_bandwidth": compare.measure_read_bandwidth(threads, 512, 2 if opts.quick else 5),
-             "fma": compare.measure_fma_peak(threads), "working_set_bandwidth": {}}
+    peaks = {"read_bandwidth": timing.measure_read_bandwidth(threads, 512, 2 if opts.quick else 5),
+             "fma": timing.measure_fma_peak(threads), "working_set_bandwidth": {}}
     rows = []
     progress = Progress(len(opts.dtypes) * len(opts.lengths) * opts.rounds, f"threads={threads}", unit="round",
                         enabled=not opts.no_progress)
@@ -544,47 +548,6 @@ def worker_argv(out_path: str, opts) -> list[str]:
             "--libs", *opts.libs, "--rounds", str(opts.rounds), "--block-seconds", str(opts.block_seconds),
             "--pause-ms", str(opts.pause_ms), "--ort-op", opts.ort_op, "--seed", str(opts.seed)]
     return argv + (["--quick"] if opts.quick else []) + (["--no-progress"] if opts.no_progress else [])
-
-
-def fmt_us(entry: dict) -> str:
-    if entry.get("status") != "ok":
-        return entry.get("status", "-")
-    if "median_us" not in entry:
-        return "-"
-    us = entry["median_us"]
-    text = f"{us:.1f}" if us < 100 else f"{us:.0f}"
-    return text if entry.get("ok") else f"{text} (wrong!)"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def markdown_table(run: dict) -> str:
-    head = ["dtype", "cache length", "K+V read", "fits L3", "attnx us", "torch us", "onnxruntime us",
-            "best peer", "speed-up", "attnx GB/s", "read BW, same size GB/s", "% of read BW", "attnx GFLOP/s",
-            "% of FMA peak"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for r in run["rows"]:
-        same = r.get("read_bw_same_size")
-        l3 = r.get("l3_bytes")
-        fits = "?" if r["fits_l3"] is None else f"{'yes' if r['fits_l3'] else 'no'} ({100 * r['kv_bytes'] / l3:.2g}% of it)"
-        cells = [r["dtype"], str(r["length"]), fmt_bytes(r["kv_bytes"]), fits]
-        cells += [fmt_us(r["libs"].get(n, {"status": "-"})) for n in LIBRARIES]
-        cells.append(r["best_peer"] or "-")
-        cells.append(f"{r['speedup']:.2f}x" if r["speedup"] else "-")
-        cells.append(f"{r['attnx_gbs']:.1f}" if "attnx_gbs" in r else "-")
-        cells.append(f"{same['gbs']:.1f}" if same else "-")
-        frac = r.get("attnx_fraction_of_same_size_bw")
-        cells.append(f"{100 * frac:.0f}%" if frac is not None else "-")
-        cells.append(f"{r['attnx_gflops']:.1f}" if "attnx_gflops" in r else "-")
-        fma = r.get("attnx_fraction_of_fma_peak")
-        cells.append(f"{100 * fma:.0f}%" if fma is not None else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def spread_table(run: dict) -> str:
@@ -645,14 +608,14 @@ def print_report(report: dict) -> None:
     if fma:
         print(f"FP32 multiply-add peak: {fma['gflops']:.1f} GFLOP/s ({fma.get('by', 'attnx probe')}).")
     print()
-    print(markdown_table(run))
+    print(decode_table(run))
     background = run.get("background_cpu_fraction")
     if background is not None:
         warn = " — WARNING: other work on the machine may have disturbed these timings" if background > 0.05 else ""
         print(f"\nOther processes used {100 * background:.1f}% of the machine's CPU time during this run{warn}.")
     print("\nK+V read = length x KV heads x 128 x 2 x itemsize, read once per step. speed-up = the best "
           "correct peer's median / attnx's (> 1: attnx faster). % of read BW = attnx's GB/s over the read "
-          "bandwidth compare.py's measure_read_bandwidth reaches over a buffer of the K+V size "
+          "bandwidth timing.py's measure_read_bandwidth reaches over a buffer of the K+V size "
           f"(fits L3: K+V <= the {fmt_bytes(l3['bytes']) if l3.get('bytes') else '?'} L3, by size alone; below a few MiB "
           "per-call overhead dominates both times, so that fraction is indicative only). GFLOP/s counts "
           f"4 x {Q_HEADS} x length x {HEAD_DIM} FLOPs per step (both products, every query head; softmax not "
@@ -729,10 +692,10 @@ def main(argv=None) -> int:
         with open(opts.worker_out, "w") as f:
             json.dump(run_worker(opts.worker, opts), f)
         return 0
-    waited = compare.wait_for_quiet_machine(opts.wait_quiet) if opts.wait_quiet > 0 else None
+    waited = timing.wait_for_quiet_machine(opts.wait_quiet) if opts.wait_quiet > 0 else None
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
-        env = {**os.environ, **compare.thread_env(opts.threads)}
+        env = {**os.environ, **timing.thread_env(opts.threads)}
         proc = subprocess.run(worker_argv(out_path, opts), env=env)
         if proc.returncode != 0 or not os.path.exists(out_path):
             why = f"status {proc.returncode}"
@@ -744,9 +707,9 @@ def main(argv=None) -> int:
                 run = json.load(f)
     report = {
         "benchmark": "decode step: attnx.cached_attention vs torch sdpa and ONNX Runtime over a KV cache",
-        "machine": {"cpu_model": compare.cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu_model": results_file.cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %z")},
-        "versions": {n: x for n, x in compare.library_versions().items() if n not in ("openvino",)},
+        "versions": {n: x for n, x in peers.library_versions().items() if n not in ("openvino",)},
         "config": {"threads": opts.threads, "kv_heads": opts.kv_heads, "q_heads": Q_HEADS, "head_dim": HEAD_DIM,
                    "lengths": opts.lengths, "dtypes": opts.dtypes, "max_len": opts.max_len, "libs": opts.libs,
                    "ort_op": opts.ort_op, "rounds": opts.rounds, "block_seconds": opts.block_seconds,

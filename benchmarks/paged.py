@@ -21,7 +21,7 @@ a server's decoding sequences take them, so that no sequence's blocks lie togeth
   float16 and int8 cache. The ratio is taken per round (paged / contiguous block medians).
 * **long among short**: one sequence of 32768 tokens beside 15 of 256, one decode row each. Its
   bytes (keys and values read once) over the median time, as a fraction of the read bandwidth
-  ``compare.py`` measures over a buffer of the same size.
+  ``timing.py`` measures over a buffer of the same size.
 * **mixed**: one 512-token prefill chunk of a sequence holding 2048 tokens (its last 512) and
   15 decode rows over 2048-token contexts, in one call, against the same work as two calls (the
   chunk alone, then the decode rows): the per-round ratio of the one call to the two.
@@ -32,7 +32,7 @@ a server's decoding sequences take them, so that no sequence's blocks lie togeth
 Method
 ------
 As decode.py: one worker process per thread count, with ``OMP_NUM_THREADS`` set before NumPy is
-imported, and ``compare.py``'s interleaved rounds (``--rounds`` rounds of ``--block-seconds``
+imported, and ``timing.py``'s interleaved rounds (``--rounds`` rounds of ``--block-seconds``
 blocks, the order rotating); medians per call. The share of CPU time other processes used is
 reported. Every case checks its results first: paged against contiguous (bit for bit where the
 kernels read the same rows), the one mixed call against the two, rope= against rotating by hand.
@@ -52,13 +52,15 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare  # noqa: E402  (timing, thread and bandwidth helpers; imports NumPy)
-from compare import Bench, log  # noqa: E402
+# timing comes first: it sets the thread variables of a worker before NumPy is imported.
+import timing  # noqa: E402  (benchmarks/timing.py: timing, thread and bandwidth helpers)
+from timing import log  # noqa: E402
+from peers import Bench  # noqa: E402  (benchmarks/peers.py)
 import results_file  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-WORKER_FLAG = compare.WORKER_FLAG
+WORKER_FLAG = timing.WORKER_FLAG
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CACHE_DTYPES = ("float32", "float16", "int8")
 
@@ -106,7 +108,7 @@ def case_decode(dtype, opts, threads):
     q = np.random.default_rng(1).standard_normal((16, Q_HEADS, HEAD_DIM), dtype=np.float32)
     q4 = q[:, :, None]
     same = np.array_equal(attnx.paged_attention(q, paged, seqs), attnx.cached_attention(q4, flat)[:, :, 0])
-    t = compare.measure_interleaved(
+    t = timing.measure_interleaved(
         {"paged": Bench(lambda: attnx.paged_attention(q, paged, seqs)),
          "contiguous": Bench(lambda: attnx.cached_attention(q4, flat))},
         opts.rounds, opts.block_seconds, opts.pause_ms / 1e3)
@@ -120,10 +122,10 @@ def case_long_among_short(opts, threads):
     lengths = [32768] + [256] * 15
     paged, seqs, _ = filled_caches(lengths, "float32", opts.block_size, opts.seed, contiguous=False)
     q = np.random.default_rng(2).standard_normal((16, Q_HEADS, HEAD_DIM), dtype=np.float32)
-    t = compare.measure_interleaved({"paged": Bench(lambda: attnx.paged_attention(q, paged, seqs))},
+    t = timing.measure_interleaved({"paged": Bench(lambda: attnx.paged_attention(q, paged, seqs))},
                                     opts.rounds, opts.block_seconds, opts.pause_ms / 1e3)
     nbytes = sum(lengths) * KV_HEADS * HEAD_DIM * 4 * 2
-    bandwidth = compare.measure_read_bandwidth(threads, nbytes / 2**20, 3 if opts.quick else 15)
+    bandwidth = timing.measure_read_bandwidth(threads, nbytes / 2**20, 3 if opts.quick else 15)
     gbs = nbytes / (t["paged"]["median_ms"] / 1e3) / 1e9
     return {"case": "1 x 32768 beside 15 x 256, float32", "timings": t, "bytes": nbytes, "gbs": gbs,
             "read_bandwidth_same_size": bandwidth, "fraction_of_read_bandwidth": gbs / bandwidth["gbs"]}
@@ -141,7 +143,7 @@ def case_mixed(opts, threads):
                    attnx.paged_attention(q[512:], paged, seqs[1:]))
     first, rest = two()
     same = np.array_equal(one(), np.concatenate([first, rest]))
-    t = compare.measure_interleaved({"one call": Bench(one), "two calls": Bench(two)},
+    t = timing.measure_interleaved({"one call": Bench(one), "two calls": Bench(two)},
                                     opts.rounds, opts.block_seconds, opts.pause_ms / 1e3)
     return {"case": "512-token chunk + 15 decode rows over 2048, float32", "bit_identical": bool(same),
             "timings": t, "one_over_two": per_round(t["one call"], t["two calls"])}
@@ -167,7 +169,7 @@ def case_rope(opts, threads):
     positions = np.full(16, 2048)
     by_hand = attnx.paged_attention(rope(q, positions), paged, seqs, None, rope(k, positions), v)
     back()
-    t = compare.measure_interleaved(
+    t = timing.measure_interleaved(
         {"rope": Bench(lambda: attnx.paged_attention(q, paged, seqs, None, k, v, rope=rope), reset=back),
          "no rope": Bench(lambda: attnx.paged_attention(q, paged, seqs, None, k, v), reset=back)},
         opts.rounds, opts.block_seconds, opts.pause_ms / 1e3)
@@ -179,7 +181,7 @@ def case_rope(opts, threads):
 def run_worker(threads: int, opts) -> dict:
     import attnx
 
-    load = compare.BackgroundLoad()
+    load = timing.BackgroundLoad()
     cases = [case_decode(d, opts, threads) for d in opts.dtypes]
     cases += [case_long_among_short(opts, threads), case_mixed(opts, threads), case_rope(opts, threads)]
     return {"threads": threads, "isa": attnx.show_config()["isa"], "cases": cases,
@@ -241,7 +243,7 @@ def main(argv=None) -> int:
                            "--block-seconds", str(opts.block_seconds), "--pause-ms", str(opts.pause_ms),
                            "--seed", str(opts.seed)] + (["--quick"] if opts.quick else [])
             log(f"[threads={threads}] running the serving cases ...")
-            proc = subprocess.run(argv_worker, env={**os.environ, **compare.thread_env(threads)})
+            proc = subprocess.run(argv_worker, env={**os.environ, **timing.thread_env(threads)})
             if proc.returncode != 0 or not os.path.exists(out):
                 why = f"status {proc.returncode}"
                 if proc.returncode < 0:
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
                 runs.append(json.load(f))
     report = {
         "benchmark": "serving steps: attnx.paged_attention over a PagedKVCache",
-        "machine": {"cpu_model": compare.cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu_model": results_file.cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %z")},
         "config": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": opts.block_size,
                    "dtypes": opts.dtypes, "rounds": opts.rounds, "block_seconds": opts.block_seconds,

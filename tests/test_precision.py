@@ -800,18 +800,19 @@ def test_error_no_worse_than_openvinos_bfloat16(shape):
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import accuracy
-        import compare
+        import peers
+        import shapes
     finally:
         sys.path.remove(str(BENCHMARKS))
-    case = {s.name: s for s in compare.SHAPES}[shape]
-    data = compare.make_inputs(case, 0)
-    want = compare.reference_output(case, data)
+    case = {s.name: s for s in shapes.SHAPES}[shape]
+    data = shapes.make_inputs(case, 0)
+    want = shapes.reference_output(case, data)
     threads = attnx.get_num_threads()
     try:
-        theirs, note = accuracy.output(compare.setup_openvino, case, data, threads, BF16)
+        theirs, note = accuracy.output(peers.setup_openvino, case, data, threads, BF16)
         if "bf16" not in note:
             pytest.skip(f"OpenVINO computes in float32 on this CPU ({note}); bfloat16 needs AVX512_BF16 or AMX")
-        ours, _ = accuracy.output(compare.setup_attnx, case, data, threads, BF16)
+        ours, _ = accuracy.output(peers.setup_attnx, case, data, threads, BF16)
     finally:
         attnx.set_num_threads(threads)  # (the set-ups set it)
     (our_max, our_mean), (their_max, their_mean) = accuracy.errors(ours, want), accuracy.errors(theirs, want)

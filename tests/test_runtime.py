@@ -130,7 +130,7 @@ def test_thread_count_is_process_wide(threads):
 
 
 # ---------------------------------------------------------------------------------------------
-# The FMA peak probe (benchmarks/compare.py's "% of peak")
+# The FMA peak probe (benchmarks/timing.py's measure_fma_peak: compare.py's "% of peak")
 # ---------------------------------------------------------------------------------------------
 
 
