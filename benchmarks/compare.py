@@ -158,15 +158,10 @@ from timing import (  # noqa: E402  (benchmarks/timing.py)
 )
 import results_file  # noqa: E402  (benchmarks/results_file.py)
 from peers import (  # noqa: E402  (benchmarks/peers.py)
-    ADAPTERS,
     LIBRARIES,
     PEER_VARIANTS,
-    Bench,
-    NotApplicable,
-    NotInstalled,
-    Unavailable,
-    call_once,
     library_versions,
+    prepare_benches,
 )
 from progress import Progress  # noqa: E402  (benchmarks/progress.py)
 from report import print_report  # noqa: E402  (benchmarks/report.py)
@@ -178,10 +173,7 @@ from shapes import (  # noqa: E402  (benchmarks/shapes.py)
     SHAPES,
     SWEEP_LENGTHS,
     Shape,
-    check_output,
-    make_inputs,
-    padding_lengths,
-    reference_output,
+    describe,
     select_shapes,
     sweep_shapes,
 )
@@ -189,60 +181,13 @@ from shapes import (  # noqa: E402  (benchmarks/shapes.py)
 
 def bench_shape(shape: Shape, libs: list[str], threads: int, opts, progress: Progress | None = None) -> dict:
     """Set up every library for `shape`, check outputs, time them interleaved."""
-    data = make_inputs(shape)
-    reference = reference_output(shape, data)
-    status: dict[str, dict] = {}
-    benches: dict[str, Bench] = {}
-    for lib in libs:
-        try:
-            made = ADAPTERS[lib](shape, data, threads, precision=opts.precision)
-        except NotInstalled as exc:
-            status[lib] = {"status": "not installed", "note": str(exc)}
-            continue
-        except Unavailable as exc:
-            status[lib] = {"status": "unavailable", "note": str(exc)}
-            continue
-        except NotApplicable as exc:
-            status[lib] = {"status": "n/a", "note": str(exc)}
-            continue
-        except Exception as exc:  # a peer's set-up problem is reported, not fatal
-            if lib == "attnx":
-                raise
-            status[lib] = {"status": "error", "note": f"{type(exc).__name__}: {exc}"}
-            continue
-        for name, bench in (made.items() if isinstance(made, dict) else [(lib, made)]):
-            want = reference if bench.reference is None else bench.reference
-            try:
-                check = check_output(bench.to_numpy(call_once(bench)), want, opts.precision)
-            except Exception as exc:
-                if name == "attnx":
-                    raise
-                status[name] = {"status": "error", "note": f"{type(exc).__name__}: {exc}"}
-                continue
-            if bench.exported and not check["ok"]:
-                # A model exported from torch that computes something else is the export's
-                # fault, not the runtime's: the peer is unavailable for this case.
-                status[name] = {"status": "unavailable",
-                                "note": f"{bench.note}: output differs from the reference by {check['max_abs_diff']}"}
-                continue
-            status[name] = {"status": "ok", "note": bench.note, **check}
-            benches[name] = bench
-            if not check["ok"]:
-                log(f"  WARNING: {name} output differs from the reference by {check['max_abs_diff']}")
+    status, benches = prepare_benches(shape, libs, threads, opts.precision)
     timings = measure_interleaved(benches, opts.rounds, opts.block_seconds, opts.pause_ms / 1e3, progress)
     for name, t in timings.items():
         status[name].update(t)
         status[name]["gflops"] = shape.flops / (t["median_ms"] / 1e3) / 1e9
-    described = {"name": shape.name, "label": shape.label, "kind": shape.kind, "B": shape.B, "H": shape.H,
-                 "L": shape.L, "S": shape.S, "D": shape.D, "E": shape.E, "causal": shape.causal,
-                 "mask_given": shape.mask_given}
-    if shape.kind in LAYER_KINDS:
-        described.update(ff=shape.ff, layers=shape.layers, activation=shape.activation, padded=shape.padded,
-                         memory=shape.memory)
-    if shape.ragged:
-        described.update(ragged=True, lengths=padding_lengths(shape))
     return {
-        "shape": described,
+        "shape": describe(shape),
         "flops": shape.flops,
         "bytes_kv": shape.bytes_kv,
         "bytes_of": shape.bytes_of,

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-import timing  # noqa: F401  (sets the thread variables before NumPy is imported)
+from timing import log  # (timing, imported first, sets the thread variables before NumPy)
 
 import numpy as np  # noqa: E402
 
@@ -23,11 +23,14 @@ from shapes import (  # noqa: E402
     LAYER_KINDS,
     Shape,
     causal_additive_mask,
+    check_output,
     layer_output_view,
+    make_inputs,
     numpy_mha,
     numpy_sdpa,
     pack_rows,
     reference_layer_output,
+    reference_output,
     varlen_allowed_mask,
 )
 
@@ -794,6 +797,55 @@ ADAPTERS: dict[str, Callable[..., Bench | dict[str, Bench]]] = {
     "onnxruntime": setup_onnxruntime,
     "openvino": setup_openvino,
 }
+
+
+def prepare_benches(shape: Shape, libs: list[str], threads: int,
+                    precision: str = "float32") -> tuple[dict[str, dict], dict[str, Bench]]:
+    """Every library of `libs` set up for `shape` (ADAPTERS) and its output checked against the
+    float64 reference: each name's status ("ok" with the check's figures, or why it does not
+    run) and the Benches of those that run. A peer's failure is reported in its status; attnx's
+    is raised."""
+    data = make_inputs(shape)
+    reference = reference_output(shape, data)
+    status: dict[str, dict] = {}
+    benches: dict[str, Bench] = {}
+    for lib in libs:
+        try:
+            made = ADAPTERS[lib](shape, data, threads, precision=precision)
+        except NotInstalled as exc:
+            status[lib] = {"status": "not installed", "note": str(exc)}
+            continue
+        except Unavailable as exc:
+            status[lib] = {"status": "unavailable", "note": str(exc)}
+            continue
+        except NotApplicable as exc:
+            status[lib] = {"status": "n/a", "note": str(exc)}
+            continue
+        except Exception as exc:  # a peer's set-up problem is reported, not fatal
+            if lib == "attnx":
+                raise
+            status[lib] = {"status": "error", "note": f"{type(exc).__name__}: {exc}"}
+            continue
+        for name, bench in (made.items() if isinstance(made, dict) else [(lib, made)]):
+            want = reference if bench.reference is None else bench.reference
+            try:
+                check = check_output(bench.to_numpy(call_once(bench)), want, precision)
+            except Exception as exc:
+                if name == "attnx":
+                    raise
+                status[name] = {"status": "error", "note": f"{type(exc).__name__}: {exc}"}
+                continue
+            if bench.exported and not check["ok"]:
+                # A model exported from torch that computes something else is the export's
+                # fault, not the runtime's: the peer is unavailable for this case.
+                status[name] = {"status": "unavailable",
+                                "note": f"{bench.note}: output differs from the reference by {check['max_abs_diff']}"}
+                continue
+            status[name] = {"status": "ok", "note": bench.note, **check}
+            benches[name] = bench
+            if not check["ok"]:
+                log(f"  WARNING: {name} output differs from the reference by {check['max_abs_diff']}")
+    return status, benches
 
 
 def library_versions() -> dict[str, str | None]:

@@ -8,7 +8,12 @@ writes, into ``--out-dir`` (default benchmarks/plots/), with the machine label i
 * ``speedup-MACHINE.png``: per shape of the ``compare`` section, attnx's speed-up over the
   fastest correct peer (best peer's median time / attnx's), one bar per thread count;
 * ``sweep-MACHINE.png``: from the ``sweep`` section (``compare.py --sweep``), the median time of
-  attnx and of each peer against the sequence length, one panel per thread count.
+  attnx and of each peer against the sequence length, one panel per thread count;
+* ``contention-MACHINE-LOAD.png``: from the ``contention`` section (contention.py), one per load
+  (``quiet``, ``busy1``, ...): per shape, each library's p50 and p99 on 1 thread and on all
+  cores.
+
+Every title names the machine, the load the figures were measured under and the commit.
 
 Needs matplotlib (``pip install .[bench]`` or ``pip install matplotlib``).
 """
@@ -29,6 +34,9 @@ COLORS = {"attnx": "#d62728", "numpy": "#7f7f7f", "torch": "#1f77b4", "onnxrunti
 
 def short_label(shape: dict) -> str:
     """A compact two-line label for the x axis."""
+    if shape["kind"] not in ("sdpa", "mha"):  # a transformer layer or ragged batch: its label's first words
+        words = shape["label"].split()
+        return " ".join(words[:3]) + "\n" + " ".join(words[3:6])
     if shape["kind"] == "mha":
         return f"MHA B{shape['B']}\nL{shape['L']} E{shape['E']}"
     tag = "causal " if shape.get("causal") else ("decode " if shape["L"] * 16 <= shape["S"] else "")
@@ -37,9 +45,25 @@ def short_label(shape: dict) -> str:
     return f"{tag}B{shape['B']} H{shape['H']}\nL{shape['L']} S{shape['S']} D{shape['D']}"
 
 
-def title_of(data: dict) -> str:
+def title_of(data: dict, load: str) -> str:
+    """The machine (label, CPU, kernel, cores), the load the figures were measured under and the commit."""
     m = data.get("machine", {})
-    return f"{m.get('cpu_model', '?')}, {m.get('isa', '?')}, {m.get('cores', '?')} cores; attnx {data.get('commit', '?')}"
+    return (f"{m.get('label', '?')} ({m.get('cpu_model', '?')}, {m.get('isa', '?')}, {m.get('cores', '?')} cores); "
+            f"load: {load}; attnx {data.get('commit', '?')}")
+
+
+def background_load(runs: list[dict]) -> str:
+    """The load of compare.py's runs: no busy processes started, and the share of the CPU that
+    other processes used meanwhile, as each worker measured it."""
+    shares = [100 * r["background_cpu_fraction"] for r in runs if r.get("background_cpu_fraction") is not None]
+    if not shares:
+        return "no busy processes"
+    span = f"{min(shares):.0f}%" if round(min(shares)) == round(max(shares)) else f"{min(shares):.0f}-{max(shares):.0f}%"
+    return f"no busy processes, other processes {span} of the CPU"
+
+
+def load_name(busy: int) -> str:
+    return "quiet" if busy == 0 else f"{busy} busy process" + ("es" if busy > 1 else "")
 
 
 def plot_speedup(data: dict, path: str, dpi: int) -> str:
@@ -74,7 +98,7 @@ def plot_speedup(data: dict, path: str, dpi: int) -> str:
     ax.set_ylabel("speed-up over the best peer (x)")
     ax.set_ylim(0, top * 1.2)
     ax.set_title("attnx's speed-up over the fastest peer (> 1: attnx faster; ORT = ONNX Runtime, OV = OpenVINO)\n"
-                 + title_of(data), fontsize=9)
+                 + title_of(data, background_load(runs)), fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
@@ -109,7 +133,58 @@ def plot_sweep(data: dict, path: str, dpi: int) -> str:
     axes[0][0].set_ylabel("median time per call (ms)")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"sdpa B{shape['B']} H{shape['H']} D{shape['D']}, float32, time against length\n"
-                 + title_of(data), fontsize=9)
+                 + title_of(data, background_load(runs)), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def plot_contention(data: dict, busy: int, path: str, dpi: int) -> str:
+    """contention.py's figures under one load: per shape, a bar per library and thread count
+    (the lowest and the highest), p99 drawn light behind p50; log scale, since the shapes' times
+    differ by orders of magnitude."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    section = data["contention"]
+    runs = sorted((r for r in section["runs"] if "results" in r), key=lambda r: r["threads"])
+    threads = sorted({runs[0]["threads"], runs[-1]["threads"]})
+    shapes = [r["shape"] for r in runs[0]["results"]]
+    libs = list(dict.fromkeys(name for run in runs for r in run["results"] for name in r["libs"]))
+    libs.sort(key=lambda n: n != "attnx")
+    cells = {}
+    for run in runs:
+        for r in run["results"]:
+            for load in r["loads"]:
+                if load["busy"] == busy:
+                    for name, e in load["libs"].items():
+                        cells[(r["shape"]["name"], name, run["threads"])] = e
+    bars = [(lib, n) for lib in libs for n in threads]
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(shapes) + 2), 4.4))
+    shades = {threads[0]: 0.45, threads[-1]: 1.0}
+    for i, (lib, n) in enumerate(bars):
+        color = COLORS.get(lib, "#8c564b")
+        xs, p50, p99 = [], [], []
+        for j, s in enumerate(shapes):
+            e = cells.get((s["name"], lib, n))
+            if e and "p50_ms" in e:
+                xs.append(j + (i - (len(bars) - 1) / 2) * width)
+                p50.append(e["p50_ms"])
+                p99.append(e["p99_ms"])
+        ax.bar(xs, p99, width * 0.9, color=color, alpha=0.25 * shades[n], edgecolor=color, lw=0.6)
+        ax.bar(xs, p50, width * 0.9, color=color, alpha=shades[n],
+               label=f"{lib}, {n} thread{'s' if n > 1 else ''}: p50 (solid), p99 (light)")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(shapes)), [short_label(s) for s in shapes], fontsize=7.5)
+    ax.set_ylabel("time per call (ms), log scale")
+    ax.grid(True, axis="y", which="major", alpha=0.3)
+    ax.set_title(f"Latency of single calls, p50 and p99, {threads[0]} thread vs {threads[-1]} threads\n"
+                 + title_of(data, load_name(busy)), fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -119,7 +194,7 @@ def plot_sweep(data: dict, path: str, dpi: int) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", help="a results file written by compare.py / decode.py")
+    p.add_argument("results", help="a results file written by compare.py / decode.py / contention.py")
     p.add_argument("--out-dir", default=os.path.join(HERE, "plots"), help="where the PNGs go (default benchmarks/plots)")
     p.add_argument("--dpi", type=int, default=100, help="resolution (default 100)")
     opts = p.parse_args(argv)
@@ -137,8 +212,13 @@ def main(argv=None) -> int:
         written.append(plot_speedup(data, os.path.join(opts.out_dir, f"speedup-{label}.png"), opts.dpi))
     if "sweep" in data:
         written.append(plot_sweep(data, os.path.join(opts.out_dir, f"sweep-{label}.png"), opts.dpi))
+    if "contention" in data:
+        for busy in data["contention"]["config"]["busy"]:
+            name = "quiet" if busy == 0 else f"busy{busy}"
+            written.append(plot_contention(data, busy, os.path.join(opts.out_dir, f"contention-{label}-{name}.png"),
+                                           opts.dpi))
     if not written:
-        print(f"{opts.results}: no 'compare' or 'sweep' section to plot", file=sys.stderr)
+        print(f"{opts.results}: no 'compare', 'sweep' or 'contention' section to plot", file=sys.stderr)
         return 1
     for path in written:
         print(f"wrote {path}")

@@ -6,11 +6,12 @@
 prints, for each section the file has, the tables that benchmarks/README.md shows: compare.py's
 per thread count (times, best peer, speed-ups, attnx's fraction of the FMA peak or of the read
 bandwidth; for the transformer layers also the speed-up over each peer), the machine's peaks,
-the --sweep times and decode.py's table.
+the --sweep times, decode.py's table and contention.py's latency tables.
 
 It is also the table code the scripts print with: compare.py's report (``print_report``,
-``markdown_table``, ``accuracy_table``, ``peer_speedup_lines``, ``fmt_ms``) and decode.py's
-(``decode_table``, ``fmt_us``, ``fmt_bytes``).
+``markdown_table``, ``accuracy_table``, ``peer_speedup_lines``, ``fmt_ms``), decode.py's
+(``decode_table``, ``fmt_us``, ``fmt_bytes``) and contention.py's (``contention_report``,
+``contention_table``).
 """
 
 from __future__ import annotations
@@ -212,6 +213,102 @@ def decode_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def load_name(busy: int) -> str:
+    """A load in words: "quiet" or "N busy process(es)"."""
+    return "quiet" if busy == 0 else f"{busy} busy process" + ("es" if busy > 1 else "")
+
+
+def fmt_latency(ms: float) -> str:
+    """Three significant digits below 1 ms (a small case's calls take microseconds)."""
+    return f"{ms:.3g}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
+
+
+def contention_cells(section: dict) -> dict[tuple, dict]:
+    """contention.py's entries by (busy, shape name, library, threads): a library's latency
+    figures where it ran, else its status."""
+    cells = {}
+    for run in section["runs"]:
+        for r in run.get("results", []):
+            for load in r["loads"]:
+                for name, status in r["libs"].items():
+                    entry = load["libs"].get(name) or status
+                    cells[(load["busy"], r["shape"]["name"], name, run["threads"])] = entry
+    return cells
+
+
+def contention_libraries(section: dict) -> list[str]:
+    """The libraries of a contention section, attnx first, in the order they were set up."""
+    names = [name for run in section["runs"] for r in run.get("results", []) for name in r["libs"]]
+    return sorted(dict.fromkeys(names), key=lambda n: n != "attnx")
+
+
+def contention_table(section: dict, busy: int) -> str:
+    """contention.py's table for one load: per case, each library's p50 / p99 on each thread
+    count, and the all-core / 1-thread ratios of p50 and p99 (highest over lowest count)."""
+    threads = sorted({run["threads"] for run in section["runs"] if "results" in run})
+    libs = contention_libraries(section)
+    cells = contention_cells(section)
+    shapes = {r["shape"]["name"]: r["shape"]["label"] for run in section["runs"] for r in run.get("results", [])}
+    head = ["shape"] + [f"{lib} {n}t p50 / p99 ms" for lib in libs for n in threads]
+    ratio = len(threads) > 1
+    if ratio:
+        lo, hi = threads[0], threads[-1]
+        head += [f"{lib} {q} {hi}t / {lo}t" for lib in libs for q in ("p50", "p99")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for name, label in shapes.items():
+        row = [label]
+        for lib in libs:
+            for n in threads:
+                e = cells.get((busy, name, lib, n), {})
+                row.append(f"{fmt_latency(e['p50_ms'])} / {fmt_latency(e['p99_ms'])}" if "p50_ms" in e
+                           else e.get("status", "-"))
+        if ratio:
+            for lib in libs:
+                one, all_cores = cells.get((busy, name, lib, lo), {}), cells.get((busy, name, lib, hi), {})
+                for q in ("p50_ms", "p99_ms"):
+                    row.append(f"{all_cores[q] / one[q]:.2f}" if q in one and q in all_cores else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def contention_report(report: dict) -> str:
+    """contention.py's report: a line on the method, then a table per load with the calls per
+    cell and the CPU share other processes (the busy ones included) used while timing."""
+    c = report["config"]
+    out = [f"# Latency beside busy processes — {report['machine']['cpu_model']}, {report['machine']['cores']} cores",
+           "versions: " + ", ".join(f"{n} {v or 'not installed'}" for n, v in report["versions"].items()),
+           f"method: single calls timed one by one, {c['rounds']} interleaved blocks per library, "
+           f"{'%d calls' % c['calls'] if c.get('calls') else '~%g s (at least %d calls)' % (c['seconds'], c['min_calls'])} "
+           "per cell; a busy process spins a pure-Python loop on one core during the timing only. "
+           "Ratios: the highest thread count's p50 (p99) over the lowest's, under the same load."]
+    for run in report["runs"]:
+        if "error" in run:
+            out.append(f"\n{run['threads']} thread(s): worker failed: {run['error']}")
+    cells = contention_cells(report)
+    for busy in c["busy"]:
+        out.append(f"\n## {load_name(busy)}\n")
+        out.append(contention_table(report, busy))
+        calls = [e["calls"] for (k, *_), e in cells.items() if k == busy and "calls" in e]
+        shares = []
+        for run in report["runs"]:
+            for r in run.get("results", []):
+                for load in r["loads"]:
+                    if load["busy"] == busy and load.get("background_cpu_fraction") is not None:
+                        shares.append((run["threads"], load["background_cpu_fraction"]))
+        notes = []
+        if calls:
+            notes.append(f"calls per cell {min(calls)}-{max(calls)}")
+        for n in sorted({n for n, _ in shares}):
+            values = [100 * s for m, s in shares if m == n]
+            span = f"{min(values):.0f}%" if round(min(values)) == round(max(values)) else \
+                f"{min(values):.0f}-{max(values):.0f}%"
+            notes.append(f"other processes (the busy ones included) used {span} of the CPU while timing on "
+                         f"{n} thread(s)")
+        if notes:
+            out.append("\n" + "; ".join(notes) + ".")
+    return "\n".join(out)
+
+
 def peaks_line(run: dict) -> str:
     p = run["peaks"]
     text = (f"FMA peak {p['fma']['gflops']:.0f} GFLOP/s ({p['fma']['by']}); GEMM {p['gemm']['gflops']:.0f} GFLOP/s "
@@ -302,6 +399,9 @@ def main(argv=None) -> int:
               f"{c['kv_heads']} KV heads; DRAM read bandwidth {run['peaks']['read_bandwidth']['gbs']:.1f} GB/s."
               f"{background(run)}\n")
         print(decode_table(run))
+    if "contention" in data:
+        print(f"\ncontention.py, {data['contention'].get('date')}.\n")
+        print(contention_report(data["contention"]))
     return 0
 
 

@@ -336,6 +336,19 @@ def make_inputs(shape: Shape, seed: int = 0) -> dict[str, Any]:
     }
 
 
+def describe(shape: Shape) -> dict:
+    """The JSON-able description of `shape` a results file keeps."""
+    described = {"name": shape.name, "label": shape.label, "kind": shape.kind, "B": shape.B, "H": shape.H,
+                 "L": shape.L, "S": shape.S, "D": shape.D, "E": shape.E, "causal": shape.causal,
+                 "mask_given": shape.mask_given}
+    if shape.kind in LAYER_KINDS:
+        described.update(ff=shape.ff, layers=shape.layers, activation=shape.activation, padded=shape.padded,
+                         memory=shape.memory)
+    if shape.ragged:
+        described.update(ragged=True, lengths=padding_lengths(shape))
+    return described
+
+
 # --------------------------------------------------------------------------------------------
 # NumPy implementation (a peer, and in float64 the reference)
 # --------------------------------------------------------------------------------------------

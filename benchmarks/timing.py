@@ -4,7 +4,8 @@ Holds: the thread variables (``thread_env``) and their setting at import in a wo
 the per-call timing (``time_calls``, ``calibrate``, ``run_block``, ``measure_interleaved``,
 ``summarize``, ``gc_paused``), the machine's peaks (``measure_fma_peak``, ``measure_gemm_peak``,
 ``measure_read_bandwidth``), the background load (``cpu_busy_seconds``, ``BackgroundLoad``,
-``wait_for_quiet_machine``) and ``log``.
+``wait_for_quiet_machine``), the load a run can start beside itself (``BusyProcesses``) and
+``log``.
 
 OpenMP and BLAS runtimes read their thread variables once, when NumPy (or torch) loads them, so
 this module sets them before it imports NumPy: a script imports it before anything that imports
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -231,3 +233,57 @@ def wait_for_quiet_machine(max_wait_s: float, threshold: float = 0.10, window_s:
         if share is None or share < threshold or time.monotonic() >= deadline:
             return share
         log(f"machine busy ({100 * share:.0f}% of its CPU time used by other processes), waiting ...")
+
+
+# A busy process: a pure-Python loop at 100% of one core, that says when it spins and stops
+# when its parent has gone (os.getppid() changes), so that a killed benchmark leaves no
+# spinning orphans behind.
+_SPIN = """
+import os, sys
+parent = os.getppid()
+sys.stdout.write("spinning\\n")
+sys.stdout.flush()
+while os.getppid() == parent:
+    for _ in range(200000):
+        pass
+"""
+
+
+class BusyProcesses:
+    """A context manager that runs `count` busy processes (each a separate Python process
+    spinning a pure-Python loop on one core) while its block runs, and kills them when the
+    block ends, also on an exception or Ctrl-C. With count 0 it does nothing."""
+
+    def __init__(self, count: int, settle_s: float = 0.05):
+        self.count, self.settle_s = count, settle_s
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "BusyProcesses":
+        try:
+            for _ in range(self.count):
+                # The thread variables do not matter to a pure-Python loop; the environment is
+                # passed as it is.
+                self.procs.append(subprocess.Popen([sys.executable, "-c", _SPIN], stdout=subprocess.PIPE,
+                                                   stdin=subprocess.DEVNULL))
+            for proc in self.procs:
+                if proc.stdout is None or not proc.stdout.readline():
+                    raise RuntimeError(f"a busy process exited with status {proc.wait()}")
+            time.sleep(self.settle_s)  # the scheduler has placed them before the timing starts
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self.procs = []
+

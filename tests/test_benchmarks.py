@@ -50,7 +50,7 @@ def run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
 def test_readme_shows_commands():
     scripts = {shlex.split(c)[1] for c in readme_commands()}
     assert {"benchmarks/compare.py", "benchmarks/decode.py", "benchmarks/paged.py", "benchmarks/plot.py",
-            "benchmarks/report.py"} <= scripts, scripts
+            "benchmarks/report.py", "benchmarks/contention.py"} <= scripts, scripts
     assert "PYTHONPATH=" not in README.read_text("utf-8")  # the installed attnx is the one timed
 
 
@@ -139,6 +139,90 @@ def test_report_prints_tables(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| sdpa" not in proc.stdout or "tiny" in proc.stdout
     assert proc.stdout.count("| tiny |") == 2 and "| 128 |" in proc.stdout
+
+
+def _contention_results(tmp_path) -> pathlib.Path:
+    """A results file with a contention section of made-up latencies: two shapes, attnx and torch
+    (not installed for one), 1 and 2 threads, quiet and beside one busy process."""
+    def stats(ms):
+        return {"p50_ms": ms, "p99_ms": 3 * ms, "mean_ms": 1.5 * ms, "min_ms": ms / 2, "max_ms": 4 * ms, "calls": 200,
+                "calls_per_block": 20}
+
+    def result(name, kind, ms, threads):
+        shape = {"name": name, "label": f"{name} label", "kind": kind, "B": 1, "H": 4, "L": 16, "S": 16, "D": 16,
+                 "E": 64, "causal": False, "mask_given": False}
+        libs = {"attnx": {"status": "ok", "ok": True}, "torch": {"status": "ok", "ok": True}}
+        loads = [{"busy": k, "background_cpu_fraction": 0.5 * k,
+                  "libs": {"attnx": stats(ms * (1 + k) * threads), "torch": stats(2 * ms * (1 + k))}} for k in (0, 1)]
+        if kind == "mha":
+            libs["torch"] = {"status": "not installed", "note": "no torch"}
+            for load in loads:
+                del load["libs"]["torch"]
+        return {"shape": shape, "libs": libs, "loads": loads}
+
+    runs = [{"threads": t, "results": [result("tiny", "sdpa", 0.004, t), result("mha-e64", "mha", 0.02, t)]}
+            for t in (1, 2)]
+    section = {"machine": {"cpu_model": "test", "cores": 2}, "versions": {"attnx": "0", "numpy": "0", "torch": "0"},
+               "config": {"threads": [1, 2], "busy": [0, 1], "seconds": 3.0, "calls": None, "min_calls": 200,
+                          "rounds": 10}, "runs": runs}
+    data = {"date": "2000-01-01", "commit": "abc1234", "build": "test",
+            "machine": {"label": "test-cpu", "cpu_model": "test", "isa": "scalar", "cores": 2, "kernel": "0"},
+            "contention": section}
+    path = tmp_path / "contention.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_report_prints_contention_tables(tmp_path):
+    proc = run(["benchmarks/report.py", str(_contention_results(tmp_path))])
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "## quiet" in out and "## 1 busy process" in out, out
+    assert "| attnx p50 2t / 1t | attnx p99 2t / 1t | torch p50 2t / 1t | torch p99 2t / 1t |" in out, out
+    # attnx's made-up times double from 1 to 2 threads, torch's do not change.
+    assert "| tiny label | 0.004 / 0.012 | 0.008 / 0.024 | 0.008 / 0.024 | 0.008 / 0.024 | 2.00 | 2.00 | 1.00 | 1.00 |" in out
+    assert "| mha-e64 label | 0.02 / 0.06 | 0.04 / 0.12 | not installed | not installed | 2.00 | 2.00 | - | - |" in out
+
+
+def test_plot_draws_contention(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = run(["benchmarks/plot.py", str(_contention_results(tmp_path)), "--out-dir", str(tmp_path / "plots")])
+    assert proc.returncode == 0, proc.stderr
+    for name in ("contention-test-cpu-quiet.png", "contention-test-cpu-busy1.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_contention_prints_p50_and_p99(tmp_path):
+    """contention.py end to end on the tiny sdpa case: 1 and 2 threads, each in its worker, quiet
+    and beside one busy process; the table of each load gives p50 / p99 per thread count and the
+    2-thread / 1-thread ratios, and no busy process outlives the run."""
+    proc = run(["benchmarks/contention.py", "--quick", "--threads", "1", "2", "--busy", "0", "1", "--shapes", "tiny",
+                "--libs", "attnx", "--no-save", "--no-progress"], timeout=120)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    out = proc.stdout
+    number = r"[0-9.e+-]+"
+    row = re.compile(rf"^\| sdpa B1 H4 L16 S16 D16 \| ({number}) / ({number}) \| ({number}) / ({number}) \| "
+                     rf"({number}) \| ({number}) \|$", re.M)
+    for load in ("## quiet", "## 1 busy process"):
+        assert load in out, out
+        table = out.split(load, 1)[1]
+        assert "| shape | attnx 1t p50 / p99 ms | attnx 2t p50 / p99 ms | attnx p50 2t / 1t | attnx p99 2t / 1t |" in table
+        match = row.search(table)
+        assert match, table
+        p50_1, p99_1, p50_2, p99_2, ratio50, ratio99 = map(float, match.groups())
+        assert 0 < p50_1 <= p99_1 and 0 < p50_2 <= p99_2, match.group(0)
+        assert ratio50 > 0 and ratio99 > 0
+    assert "wrote" not in out  # --no-save
+    # The busy processes are killed with their worker (their loop is timing.py's _SPIN).
+    spinning = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"os.getppid() == parent" in cmdline.read_bytes():
+                spinning.append(cmdline.parent.name)
+        except OSError:
+            pass
+    assert not spinning, spinning
 
 
 LAYER_SMOKE_SHAPES = ["encoder-layer-tiny", "encoder-stack-tiny", "decoder-step-tiny"]
