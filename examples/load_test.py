@@ -2,6 +2,7 @@
 
     python examples/load_test.py --port 8000 --clients 4 --requests 400 --duration 30
     python examples/load_test.py --port 8000 --clients 16 --format npy --json
+    python examples/load_test.py --port 8000 --clients 4 --busy 1
 
 Each client is a thread with its own keep-alive connection to 127.0.0.1 (never another
 address); it sends the same request (a seeded query of ``--batch`` x ``--tokens`` x the served
@@ -9,14 +10,20 @@ address); it sends the same request (a seeded query of ``--batch`` x ``--tokens`
 all or ``--duration`` seconds, whichever comes first, and reports the requests per second and the
 latency percentiles (p50, p99) of the answered requests. The first answer is checked against
 the query's shape. With ``--json`` the report is one JSON object on one line.
+
+``--busy K`` starts K busy processes beside the server while the test runs (each a separate
+Python process spinning a pure-Python loop at 100% of one core), to see the latency when other
+work holds some of the cores; the report says how many were busy.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import io
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -50,9 +57,46 @@ def percentile(sorted_values: list, q: float) -> float:
     return sorted_values[rank - 1]
 
 
+# A busy process: a pure-Python loop at 100% of one core. It says when it spins, and stops when
+# its parent has gone (os.getppid() changes), so that a killed load test leaves no spinning
+# orphans behind.
+SPIN = """
+import os, sys
+parent = os.getppid()
+sys.stdout.write("spinning\\n")
+sys.stdout.flush()
+while os.getppid() == parent:
+    for _ in range(200000):
+        pass
+"""
+
+
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """Run `count` busy processes while the block runs; they are killed when it ends, also on an
+    exception or Ctrl-C."""
+    procs = []
+    try:
+        for _ in range(count):
+            procs.append(subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE,
+                                          stdin=subprocess.DEVNULL))
+        for proc in procs:
+            if not proc.stdout.readline():
+                raise RuntimeError(f"a busy process exited with status {proc.wait()}")
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
+            proc.stdout.close()
+
+
 def run(port: int, clients: int, requests: int, duration: float, batch: int = 1,
-        tokens: int = 16, fmt: str = "json", timeout: float = 30.0) -> dict:
-    """Run the load test against 127.0.0.1:port; return the report as a dict."""
+        tokens: int = 16, fmt: str = "json", timeout: float = 30.0, busy: int = 0) -> dict:
+    """Run the load test against 127.0.0.1:port, beside `busy` busy processes; return the report
+    as a dict."""
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     conn.request("GET", "/health")
     health = json.loads(conn.getresponse().read())
@@ -64,7 +108,6 @@ def run(port: int, clients: int, requests: int, duration: float, batch: int = 1,
     lock = threading.Lock()
     sent = 0
     latencies, errors = [], []
-    deadline = time.perf_counter() + duration
 
     def take_one() -> bool:
         nonlocal sent
@@ -109,15 +152,19 @@ def run(port: int, clients: int, requests: int, duration: float, batch: int = 1,
                 latencies.extend(mine)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - start
+    with busy_processes(busy):
+        # The deadline counts from here: starting the busy processes is not part of the test.
+        deadline = time.perf_counter() + duration
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - start
     latencies.sort()
     return {
         "clients": clients,
+        "busy_processes": busy,
         "requests": len(latencies),
         "errors": len(errors),
         "seconds": round(seconds, 3),
@@ -140,19 +187,22 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="sequences per request")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per sequence")
     parser.add_argument("--format", choices=["json", "npy"], default="json")
+    parser.add_argument("--busy", type=int, default=0, metavar="K",
+                        help="busy processes (each spinning on one core) beside the server during the test")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
     args = parser.parse_args(argv)
-    if args.clients < 1 or args.requests < 1 or args.duration <= 0:
-        parser.error("--clients and --requests must be >= 1 and --duration > 0")
+    if args.clients < 1 or args.requests < 1 or args.duration <= 0 or args.busy < 0:
+        parser.error("--clients and --requests must be >= 1, --duration > 0 and --busy >= 0")
 
     report = run(args.port, args.clients, args.requests, args.duration, args.batch, args.tokens,
-                 args.format)
+                 args.format, busy=args.busy)
     if args.json:
         print(json.dumps(report))
     else:
         print(f"{report['requests']} requests ({report['errors']} errors) in {report['seconds']} s "
               f"from {report['clients']} clients: {report['requests_per_s']} requests/s, "
-              f"p50 {report['p50_ms']} ms, p99 {report['p99_ms']} ms")
+              f"p50 {report['p50_ms']} ms, p99 {report['p99_ms']} ms; "
+              f"{report['busy_processes']} busy process(es) beside the server")
         for error in report["first_errors"]:
             print("  error:", error)
     return 0 if report["errors"] == 0 and report["requests"] > 0 else 1

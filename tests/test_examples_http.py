@@ -159,6 +159,18 @@ def test_load_test_runs_and_reports(service, fmt):
     assert report["requests_per_s"] > 0
     assert 0 < report["p50_ms"] <= report["p99_ms"]
     assert report["shape"] == [1, 8, 32] and report["server"]["embed_dim"] == 32
+    assert report["busy_processes"] == 0
+
+
+def test_load_test_beside_a_busy_process(service):
+    port, _ = service
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "load_test.py"), "--port", str(port), "--clients", "2",
+         "--requests", "10", "--duration", "60", "--tokens", "4", "--busy", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "10 requests (0 errors)" in proc.stdout and "1 busy process(es) beside the server" in proc.stdout
 
 
 def test_load_test_stops_at_its_duration(service):
