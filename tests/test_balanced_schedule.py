@@ -1,4 +1,4 @@
-"""The balanced schedule of the long parallel loops (csrc/dispatch/balanced_shares.h).
+"""The shares of the parallel loops (csrc/dispatch/balanced_shares.h, worker_pool.h).
 
 Each thread starts on its own contiguous share of the iterations and, when done, takes the back
 half of the largest share left. These tests check that every iteration runs exactly once, that
@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx import _core, _testing
+from attnx import _testing
 from conftest import assert_identical, num_threads
-
-HAVE_OPENMP = _core.have_openmp()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8, 33])
@@ -36,7 +34,6 @@ def test_every_iteration_runs_once_with_a_slow_thread():
     assert set(ran_on) <= {0, 1, 2, 3}
 
 
-@pytest.mark.skipif(not HAVE_OPENMP, reason="a build without OpenMP runs every loop on one thread")
 def test_a_slowed_threads_share_is_taken_over():
     # Thread 1 takes 10 ms an iteration, thread 0 1 ms: by the time thread 0 has run its own
     # 32 iterations, thread 1 has run a few of its 32, and thread 0 takes over the rest. A
@@ -48,7 +45,6 @@ def test_a_slowed_threads_share_is_taken_over():
     assert collections.Counter(ran_on)[0] > 32
 
 
-@pytest.mark.skipif(not HAVE_OPENMP, reason="a build without OpenMP runs every loop on one thread")
 def test_each_thread_runs_its_own_share():
     # Equal iterations: each thread runs its share from its front (what it reads stays in its
     # core's cache); only the ends, if any, move. Thread 1 would have to start more than 64 ms

@@ -88,7 +88,7 @@ bool same_view(const StridedView<T, Rank>& a, const StridedView<T, Rank>& b) {
 // nothing appended to or replacing the keys, and rows few enough that each
 // projection copies the input, or that the stacked one is computed
 // transposed: one call then transposes the input once instead of three
-// times, runs one parallel region and allocates once. The numbers are the
+// times, runs one parallel loop and allocates once. The numbers are the
 // same: each output is the same sum in the same order. With more rows the
 // weights are packed, the projection is no faster as one, and the attention
 // reads q, k and v from rows of 3E more slowly (docs/tuning.md).

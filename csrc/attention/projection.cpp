@@ -71,8 +71,8 @@ int64_t even_row_spacing(const StridedView<U, 3>& v) {
 }
 
 // `count` rows cut into `blocks` blocks (a multiple of `shares`), shared out
-// as consecutive blocks to `shares` threads (the shares a kStatic or a
-// kBalanced schedule starts from): each thread's share covers the same
+// as consecutive blocks to `shares` threads (the shares parallel_for
+// starts from): each thread's share covers the same
 // number of rows to the row, and within a share the blocks start at
 // multiples of kBlockAlign rows from its start (whole register tiles of 6
 // or 12 rows). Shares cut at multiples of 12 overall had left one of two
@@ -135,7 +135,7 @@ void linear_bf16(const StridedView<const float, 3>& x, const RowMajorView<const 
 
   // x's rows as pairs, zero past `in`.
   const CacheLineArray<uint32_t> x_pairs = cache_line_array<uint32_t>(size_t(rows * pairs));
-  parallel_for(rows, threads_for(kTransposeWork * double(rows) * double(in)), Schedule::kStatic,
+  parallel_for(rows, threads_for(kTransposeWork * double(rows) * double(in)),
                [&](int64_t r) {
                  uint16_t* dst = reinterpret_cast<uint16_t*>(x_pairs.get() + r * pairs);
                  kt16.round(x.at(r / L, r % L), in, dst);
@@ -153,7 +153,7 @@ void linear_bf16(const StridedView<const float, 3>& x, const RowMajorView<const 
       std::max<int64_t>(kMinKBlock / 2, kPanelBlockBytes / int64_t(width * 4) / 8 * 8));
   const EvenBlocks blocks(rows_of.count, kManyRowBlock, rows_of.sequences == 1 ? nthreads : 1);
   const int64_t row_blocks = blocks.blocks;
-  parallel_for(rows_of.sequences * row_blocks * panels, nthreads, Schedule::kBalanced,
+  parallel_for(rows_of.sequences * row_blocks * panels, nthreads,
                [&](int64_t t) {
                  const int64_t p = t % panels, sb = t / panels;
                  const int64_t sequence = sb / row_blocks, block = sb % row_blocks;
@@ -185,7 +185,7 @@ Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w) {
   packed.pairs = (w.cols + 1) / 2;
   const int64_t panels = (w.rows + packed.width - 1) / packed.width;
   packed.data = cache_line_array<uint32_t>(size_t(std::max<int64_t>(1, panels * packed.pairs * packed.width)));
-  parallel_for(panels, threads_for(double(w.rows) * double(w.cols) * 8), Schedule::kStatic,
+  parallel_for(panels, threads_for(double(w.rows) * double(w.cols) * 8),
                [&](int64_t p) {
                  uint32_t* dst = packed.data.get() + p * packed.pairs * packed.width;
                  const int64_t cols = std::min(packed.width, w.rows - p * packed.width);
@@ -226,7 +226,7 @@ void transpose_input(const StridedView<const T, 3>& x, int64_t lanes, T* xt) {
     // of xt), one task each.
     const int64_t blocks = (in + kTransposeBlock - 1) / kTransposeBlock;
     parallel_for(blocks, threads_for(kTransposeWork * double(rows) * double(in)),
-                 Schedule::kStatic, [&](int64_t block) {
+                 [&](int64_t block) {
                    const int64_t c0 = block * kTransposeBlock;
                    kt.pack_transposed(x.data + c0, spacing, rows,
                                       std::min(kTransposeBlock, in - c0), T(1), xt + c0 * lanes,
@@ -253,7 +253,7 @@ void linear_transposed(const RowMajorView<const T>& w, const T* bias, const T* x
   // As many lanes as gemm_wide's panel: its wider tile loads less per
   // multiply-add (the sums go in the same order either way).
   const auto gemm = lanes >= kt.wide_panel_width ? kt.gemm_wide : kt.gemm;
-  parallel_for(blocks.blocks, nthreads, Schedule::kBalanced, [&](int64_t block) {
+  parallel_for(blocks.blocks, nthreads, [&](int64_t block) {
     const int64_t m0 = blocks.begin(block), rows = blocks.begin(block + 1) - m0;
     if (rows <= 0) return;
     gemm(rows, lanes, w.cols, w.row(m0), w.row_stride, 1, xt, lanes, yt + m0 * lanes, lanes,
@@ -271,7 +271,7 @@ void transpose_output(const T* yt, int64_t lanes, const StridedView<T, 3>& y) {
     // its rows (columns of yt), one task each.
     const int64_t blocks = (rows + kTransposeBlock - 1) / kTransposeBlock;
     parallel_for(blocks, threads_for(kTransposeWork * double(rows) * double(out)),
-                 Schedule::kStatic, [&](int64_t block) {
+                 [&](int64_t block) {
                    const int64_t r0 = block * kTransposeBlock;
                    kt.pack_transposed(yt + r0, lanes, out, std::min(kTransposeBlock, rows - r0),
                                       T(1), y.data + r0 * out, out);
@@ -308,7 +308,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
     const int nthreads =
         threads_for((double(rows) + kStreamedElementWork) * double(in) * double(out));
     const EvenBlocks blocks(out, kRowBlock, nthreads);
-    parallel_for(blocks.blocks, nthreads, Schedule::kBalanced, [&](int64_t block) {
+    parallel_for(blocks.blocks, nthreads, [&](int64_t block) {
       const int64_t m0 = blocks.begin(block), n = blocks.begin(block + 1) - m0;
       if (n <= 0) return;
       T* y_rows[kDotRowsMax];
@@ -339,7 +339,7 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   const int64_t wide = kt.wide_panel_width;
   const int64_t panels = (out + wide - 1) / wide;
   const CacheLineArray<T> panels_of_w = cache_line_array<T>(size_t(panels * in * wide));
-  parallel_for(panels, threads_for(double(in) * double(out) * 8), Schedule::kStatic,
+  parallel_for(panels, threads_for(double(in) * double(out) * 8),
                [&](int64_t p) {
                  kt.pack_transposed(w.row(p * wide), w.row_stride, std::min(wide, out - p * wide),
                                     in, T(1), panels_of_w.get() + p * in * wide, wide);
@@ -362,10 +362,10 @@ void linear_forward(const StridedView<const T, 3>& x, const RowMajorView<const T
   const int64_t row_blocks = blocks.blocks;
   const auto block_start = [&](int64_t block) { return blocks.begin(block); };
   const int64_t tasks = rows_of.sequences * row_blocks * panels;
-  // Each thread's share is its rows (kBalanced): a thread done with its own
-  // takes the end of another's, which a static schedule left to a core that
-  // another process had slowed (measurements: docs/tuning.md).
-  parallel_for(tasks, nthreads, Schedule::kBalanced, [&](int64_t t) {
+  // Each thread's share is its rows (parallel_for): a thread done with its
+  // own takes the end of another's, which a static schedule left to a core
+  // that another process had slowed (measurements: docs/tuning.md).
+  parallel_for(tasks, nthreads, [&](int64_t t) {
     const int64_t p = t % panels, sb = t / panels;
     const int64_t sequence = sb / row_blocks, block = sb % row_blocks;
     const int64_t r0 = block_start(block), rows = block_start(block + 1) - r0;

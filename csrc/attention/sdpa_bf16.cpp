@@ -39,7 +39,7 @@ void for_float_blocks(const SdpaArgs<float>& a, const StoredView<float>& v,
   // Native rows are read in place, unless a block of them spans blocks of a pool.
   const bool in_place = v.storage == Storage::kNative && !v.paged.present();
   std::vector<float> widened(in_place ? 0 : size_t(nthreads * kConvertRows * D));
-  parallel_for(Bx * Hx * blocks, nthreads, Schedule::kStatic, [&](int64_t t) {
+  parallel_for(Bx * Hx * blocks, nthreads, [&](int64_t t) {
     const int64_t bh = t / blocks, j0 = (t % blocks) * kConvertRows;
     const int64_t n = std::min(kConvertRows, S - j0);
     const int64_t have = std::clamp<int64_t>(key_rows(a, bh / Hx) - j0, 0, n);
@@ -107,7 +107,7 @@ void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
   const int64_t E = a.query.shape[3];
   ops.queries = cache_line_array<float>(size_t(std::max<int64_t>(1, B * Hq * L * E)));
   const float query_scale = a.scale;
-  parallel_for(B * Hq, threads_for(kConvertWork * double(B * Hq * L * E)), Schedule::kStatic,
+  parallel_for(B * Hq, threads_for(kConvertWork * double(B * Hq * L * E)),
                [&](int64_t bh) {
                  // Packed, the rows past the batch's are another's: left unread.
                  for (int64_t i = 0; i < query_rows(a, bh / Hq); ++i) {

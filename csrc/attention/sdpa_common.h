@@ -259,7 +259,7 @@ struct FiniteRows {
     heads = Hk, keys = S_read;
     flags.resize(size_t(B * Hk * S_read));
     const int64_t ld = a.value.stride(2), Ev = a.value.shape(3);
-    parallel_for(B * Hk, nthreads, Schedule::kStatic, [&](int64_t bh) {
+    parallel_for(B * Hk, nthreads, [&](int64_t bh) {
       const T* rows = a.value.native.at(bh / Hk, bh % Hk);
       uint8_t* f = flags.data() + bh * S_read;
       // Packed, keys past the batch's are another's: never read, flagged finite.

@@ -193,7 +193,7 @@ SdpaShape part_of(const SdpaArgs<T>& a, const SdpaShape& call, const std::vector
 // A paged step that holds both sequences of many queries (prefill chunks)
 // and of few (decoding) runs each kind on its own path -- query tiles for
 // the first, grouped rows split into key chunks for the others -- in one
-// parallel region, where one plan for all would run every decoding row as a
+// parallel loop, where one plan for all would run every decoding row as a
 // tile of 16 lanes. Each sequence's rows are then those of a call of its
 // kind alone. False where the step holds one kind only.
 template <typename T>
@@ -230,7 +230,7 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
     scratch_per_thread = std::max(scratch_per_thread, parts[p].plan.scratch_per_thread);
   }
   const SdpaPlan& first = parts[0].plan;  // the plan that may align values, check them or map masks
-  // Allocated before the parallel region: an allocation failure raises here
+  // Allocated before the parallel loop: an allocation failure raises here
   // (MemoryError in Python) rather than inside a worker thread.
   // The chunk states after the threads' scratch, in the same buffer: every
   // task writes its rows' states before the merge reads them, so they need
@@ -271,10 +271,10 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
   // Each thread runs a contiguous share of the tasks, in which a head's tasks
   // follow each other, so its keys and values are read into that core's
   // cache alone; a thread done with its share takes the end of another's
-  // (kBalanced). Handing out whole heads to whichever thread is free
+  // (parallel_for). Handing out whole heads to whichever thread is free
   // instead, a core slowed for a moment leaves the other idle for up to a
   // head's time at the end (see docs/tuning.md).
-  parallel_for(total, nthreads, Schedule::kBalanced, [&](int64_t t) {
+  parallel_for(total, nthreads, [&](int64_t t) {
     int p = 0;
     while (t >= runs[p]->tasks.count()) t -= runs[p++]->tasks.count();
     const SdpaContext<T>& context = runs[p]->context;
@@ -309,7 +309,7 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
     const int64_t* lengths = parts[p].query_lengths;
     const T* part_states = states[p];
     const SdpaTasks& part_tasks = runs[p]->tasks;
-    parallel_for(parts[p].call.B * Hq * L, nthreads, Schedule::kStatic, [&](int64_t row) {
+    parallel_for(parts[p].call.B * Hq * L, nthreads, [&](int64_t row) {
       const int64_t bh = row / L, i = row % L;
       // Packed: rows past the sequence's are another's (or another part's).
       if (i >= (lengths ? lengths[bh / Hq] : query_rows(a, bh / Hq))) return;

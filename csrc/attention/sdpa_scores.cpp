@@ -49,7 +49,7 @@ void sdpa_scores(const SdpaArgs<T>& a, ScoreStage stage, T* scores) {
   // failure raises in the calling thread.
   std::vector<T> key_buffers(a.key.storage == Storage::kNative ? 0
                                                                : size_t(nthreads * kKeyBlock * E));
-  parallel_for(B * Hq * row_groups, nthreads, Schedule::kStatic, [&](int64_t task) {
+  parallel_for(B * Hq * row_groups, nthreads, [&](int64_t task) {
     const int64_t bh = task / row_groups, i0 = task % row_groups * kScoreRows;
     const int64_t b = bh / Hq, h = bh % Hq, kv_head = h / (Hq / Hk);
     const int rows = static_cast<int>(std::min(kScoreRows, L - i0));

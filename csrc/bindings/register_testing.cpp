@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "bindings/array_views.h"
 #include "dispatch/balanced_shares.h"
+#include "dispatch/core_waits.h"
 #include "kernels/kernel_table.h"
 
 namespace attnx::bindings {
@@ -129,6 +131,27 @@ void register_testing(py::module_& testing) {
       "A balanced parallel loop of n iterations on `threads` threads, each sleeping "
       "`microseconds` (`slow_microseconds` on thread `slow_thread`). Returns (runs, ran_on): "
       "how many times each iteration ran, and the thread that ran it.");
+  testing.def(
+      "core_sharing",
+      [](const std::vector<std::pair<double, double>>& rounds) {
+        CoreSharing sharing;
+        const CoreSharing::Clock::time_point start{};
+        std::vector<bool> shared;
+        for (const auto& [waited_us, at_ms] : rounds) {
+          if (!(waited_us >= 0 && waited_us < 1e12 && at_ms >= 0 && at_ms < 1e9))
+            throw py::value_error("core_sharing: each round is (waited_us >= 0, at_ms >= 0)");
+          const auto at = std::chrono::duration_cast<CoreSharing::Clock::duration>(
+              std::chrono::duration<double, std::milli>(at_ms));
+          shared.push_back(sharing.add_round(uint64_t(waited_us * 1000), start + at));
+        }
+        return shared;
+      },
+      py::arg("rounds"),
+      "A worker's judgement of whether its core is shared, after each of `rounds`: "
+      "(microseconds waited for the core in that round, milliseconds since the first).");
+  testing.def(
+      "core_wait_ns", [] { return CoreWaitClock().waited_ns(); },
+      "Nanoseconds the calling thread has waited for a core (0 where the OS does not say).");
 }
 
 }  // namespace attnx::bindings

@@ -14,15 +14,19 @@ int64_t end_of(uint64_t word) { return int64_t(word >> 32); }
 
 }  // namespace
 
-BalancedShares::BalancedShares(int64_t n, int threads)
-    : threads_(threads), shares_(std::make_unique<Share[]>(size_t(threads))) {
+BalancedShares::BalancedShares(int capacity)
+    : threads_(0), shares_(std::make_unique<Share[]>(size_t(capacity))) {}
+
+void BalancedShares::reset(int64_t n, int threads) {
+  threads_ = threads;
   for (int t = 0; t < threads; ++t)
     shares_[t].word.store(pack(n * t / threads, n * (t + 1) / threads),
                           std::memory_order_relaxed);
 }
 
-// Relaxed order throughout: a word only hands out iteration numbers, and the
-// loop's data are the body's, ordered by the parallel region's barriers.
+// Relaxed order throughout: a word only hands out iteration numbers; the
+// shares are published to the workers, and the loop's data returned to the
+// caller, by the pool's own acquire and release (worker_pool.cpp).
 int64_t BalancedShares::next(int thread) {
   std::atomic<uint64_t>& own = shares_[thread].word;
   uint64_t word = own.load(std::memory_order_relaxed);
@@ -60,7 +64,7 @@ std::vector<int32_t> trace_balanced_loop(int64_t n, int threads, int64_t microse
   std::vector<std::atomic<int32_t>> runs(static_cast<size_t>(n));
   std::vector<std::atomic<int32_t>> last(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) runs[i].store(0), last[i].store(-1);
-  parallel_for(n, threads, Schedule::kBalanced, [&](int64_t i) {
+  parallel_for(n, threads, [&](int64_t i) {
     const int thread = current_thread();
     runs[i].fetch_add(1);
     last[i].store(thread);

@@ -1,5 +1,5 @@
 // The shares of a parallel loop's iterations that its threads run and take
-// from each other (Schedule::kBalanced in parallel.h).
+// from each other (worker_pool.h).
 #pragma once
 
 #include <atomic>
@@ -27,7 +27,11 @@ class BalancedShares {
   // Whether n iterations fit the words' halves.
   static bool fits(int64_t n) { return n >= 0 && n < (int64_t(1) << 31); }
 
-  BalancedShares(int64_t n, int threads);
+  // Room for loops of up to `capacity` threads.
+  explicit BalancedShares(int capacity);
+
+  // Cuts [0, n) into `threads` (at most the capacity) shares.
+  void reset(int64_t n, int threads);
 
   // The next iteration for `thread` (in [0, threads)) to run, or -1 when no
   // share holds one.
@@ -41,7 +45,7 @@ class BalancedShares {
   std::unique_ptr<Share[]> shares_;
 };
 
-// For the tests: runs a kBalanced loop of n iterations on `threads` threads,
+// For the tests: runs a parallel loop of n iterations on `threads` threads,
 // each iteration sleeping `microseconds`, or `slow_microseconds` on thread
 // `slow_thread`. Returns how many times each iteration ran, and in
 // `ran_on` the thread that ran it (the last, were it run twice).

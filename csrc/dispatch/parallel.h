@@ -1,19 +1,19 @@
-// Helpers for the drivers' parallel loops; they compile without OpenMP too.
+// The drivers' parallel loops.
 #pragma once
 
 #include <cstdint>
 
 #include "dispatch/balanced_shares.h"
-
-#ifdef ATTNX_HAVE_OPENMP
-#include <omp.h>
-#endif
+#include "dispatch/worker_pool.h"
 
 namespace attnx {
 
 // Threads to use for a call doing about `work` multiply-adds: 1 for small
 // calls, the configured count otherwise.
 int threads_for(double work);
+
+// The most threads a loop is given (threads.cpp).
+int max_useful_threads();
 
 // What one element read from memory (or the last-level cache) and used for
 // a few multiply-adds counts for in threads_for's work: a decoding step or
@@ -23,48 +23,32 @@ int threads_for(double work);
 // (measurements: docs/tuning.md).
 constexpr double kStreamedElementWork = 8;
 
-inline int current_thread() {
-#ifdef ATTNX_HAVE_OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
-enum class Schedule {
-  kStatic,   // contiguous, equal shares of the iterations
-  kBalanced  // kStatic's shares, run from the front by their threads and
-             // from the back by threads whose own are done (BalancedShares):
-             // for loops of long iterations, where a core slowed by another
-             // process would otherwise hold up the call
-};
-
-// body(i) for every i in [0, n), on `threads` threads. With one thread it is
-// a plain loop: an OpenMP region, even one made serial by an if clause, ends
-// on a barrier that costs the caller futex system calls, a noticeable part
-// of a small attention call (measurements: docs/tuning.md).
+// body(i) for every i in [0, n), on up to `threads` threads (worker_pool.h):
+// each thread starts on a contiguous share of the iterations, in order, so
+// that what it reads (a head's keys and values, a block of weights) stays in
+// its own core's cache, and one whose share is done takes the back half of
+// the largest share left (BalancedShares). Which thread runs an iteration
+// never changes a result. With one thread it is a plain loop: a small call
+// pays nothing for the pool.
 template <typename Body>
-void parallel_for(int64_t n, int threads, Schedule schedule, const Body& body) {
-#ifdef ATTNX_HAVE_OPENMP
+void parallel_for(int64_t n, int threads, const Body& body) {
   if (threads > 1 && n > 1) {
-    if (schedule == Schedule::kBalanced && BalancedShares::fits(n)) {
-      // A team given fewer threads than asked leaves shares that no thread
-      // owns; the others take them.
-      BalancedShares shares(n, threads);
-#pragma omp parallel num_threads(threads)
-      {
-        const int thread = omp_get_thread_num();
-        for (int64_t i = shares.next(thread); i >= 0; i = shares.next(thread)) body(i);
-      }
-    } else {
-#pragma omp parallel for schedule(static) num_threads(threads)
-      for (int64_t i = 0; i < n; ++i) body(i);
+    const LoopInvoker invoke = [](const void* b, int64_t i) { (*static_cast<const Body*>(b))(i); };
+    if (BalancedShares::fits(n)) {
+      run_claimed_loop(n, threads, invoke, &body);
+      return;
+    }
+    // Beyond a share word's range: loops of 2^30 iterations in turn.
+    constexpr int64_t kPart = int64_t(1) << 30;
+    for (int64_t base = 0; base < n; base += kPart) {
+      const auto part = [&](int64_t i) { body(base + i); };
+      using Part = decltype(part);
+      run_claimed_loop(n - base < kPart ? n - base : kPart, threads,
+                       [](const void* p, int64_t i) { (*static_cast<const Part*>(p))(i); }, &part);
     }
     return;
   }
-#else
-  (void)threads, (void)schedule;
-#endif
+  SerialLoopScope scope;
   for (int64_t i = 0; i < n; ++i) body(i);
 }
 

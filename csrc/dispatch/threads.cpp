@@ -3,16 +3,11 @@
 // Until set_num_threads is called, a call uses OpenMP's setting for the
 // calling thread (omp_get_max_threads: OMP_NUM_THREADS, or what
 // threadpoolctl's threadpool_limits set). set_num_threads then fixes one
-// process-wide count, used as `num_threads` on every parallel region, so a
+// process-wide count, used by every parallel loop (worker_pool.h), so a
 // service calling attnx from many Python threads gets the same count in all.
 #include <atomic>
 #include <string>
 #include <thread>
-
-#if defined(__unix__) || defined(__APPLE__)
-#include <pthread.h>
-#define ATTNX_HAVE_PTHREAD_ATFORK 1
-#endif
 
 #include "attnx/runtime.h"
 #include "dispatch/parallel.h"
@@ -26,11 +21,12 @@ namespace {
 
 std::atomic<int> g_num_threads{0};  // 0: not set, follow OpenMP
 
-// The most threads a parallel region is given: max(64, 4 x the processors
-// available), and never more than OpenMP's thread limit. More never helps,
-// and far more breaks: libgomp builds a team's start data on the caller's
-// stack (100000 threads overflowed it: a segfault), and every thread gets
-// its own scratch (2^31 - 1 threads: bad_alloc on a small call).
+}  // namespace
+
+// The most threads a loop is given: max(64, 4 x the processors available),
+// and never more than OpenMP's thread limit. More never helps, and far more
+// breaks: every thread gets its own scratch (2^31 - 1 threads: bad_alloc on
+// a small call), and the pool's loops hold a share per thread.
 int max_useful_threads() {
 #ifdef ATTNX_HAVE_OPENMP
   static const int cap = [] {
@@ -41,7 +37,6 @@ int max_useful_threads() {
   }();
   return cap;
 #else
-  // No team is ever started, but the count reported obeys the same cap.
   static const int cap = [] {
     const int procs = static_cast<int>(std::thread::hardware_concurrency());
     return procs > 16 ? 4 * procs : 64;
@@ -49,21 +44,6 @@ int max_useful_threads() {
   return cap;
 #endif
 }
-
-// fork(): the child's only thread is the one that called fork, and if it
-// ever started an OpenMP team, its libgomp pool still lists the parent's
-// worker threads, which do not exist in the child: its next parallel region
-// with more than one thread waits for them forever. So in the child that
-// thread computes alone (same numbers: results never depend on the thread
-// count); threads the child starts later get fresh pools and the full count.
-thread_local bool t_stale_openmp_pool = false;
-
-#if defined(ATTNX_HAVE_OPENMP) && defined(ATTNX_HAVE_PTHREAD_ATFORK)
-void mark_forking_thread_stale() { t_stale_openmp_pool = true; }
-const int g_atfork_registered = pthread_atfork(nullptr, nullptr, mark_forking_thread_stale);
-#endif
-
-}  // namespace
 
 int get_num_threads() {
   int n = g_num_threads.load(std::memory_order_relaxed);
@@ -99,12 +79,11 @@ std::string compiler_name() {
 }
 
 int threads_for(double work) {
-  // Below about a million multiply-adds a parallel region costs more than
-  // it saves: waking a team takes microseconds, comparable to that work,
-  // and far more when another process holds the other cores (measurements:
-  // docs/tuning.md).
+  // Below about a million multiply-adds a parallel loop costs more than it
+  // saves: waking a worker takes microseconds, comparable to that work
+  // (measurements: docs/tuning.md).
   constexpr double kSerialWork = 1 << 20;
-  return work < kSerialWork || t_stale_openmp_pool ? 1 : get_num_threads();
+  return work < kSerialWork ? 1 : get_num_threads();
 }
 
 }  // namespace attnx

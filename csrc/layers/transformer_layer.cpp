@@ -44,7 +44,7 @@ void residual_norm(const StridedView<const T, 3>& x, const T* y, const LayerNorm
   const KernelTable<T>& kt = active_kernels(T());
   const int64_t L = x.shape[1], E = x.shape[2], rows = x.shape[0] * L;
   parallel_for(rows, threads_for(kNormElementWork * double(rows) * double(E)),
-               Schedule::kStatic, [&](int64_t r) {
+               [&](int64_t r) {
                  const int64_t n = r / L, l = r % L;
                  kt.add_layer_norm(x.at(n, l), y ? y + r * E : nullptr, E,
                                    norm ? norm->weight : nullptr, norm ? norm->bias : nullptr,

@@ -1,6 +1,6 @@
 """Type stubs of the private C++ extension. Use the attnx package instead."""
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -255,5 +255,9 @@ class _TestingModule:
         n: int, threads: int, microseconds: int = 0, slow_thread: int = -1,
         slow_microseconds: int = 0
     ) -> tuple[list[int], list[int]]: ...
+    @staticmethod
+    def core_sharing(rounds: Sequence[tuple[float, float]]) -> list[bool]: ...
+    @staticmethod
+    def core_wait_ns() -> int: ...
 
 _testing: _TestingModule

@@ -11,6 +11,8 @@ activate = _hooks.activate
 bf16_gemm = _hooks.bf16_gemm
 bf16_pack_pairs = _hooks.bf16_pack_pairs
 bf16_round = _hooks.bf16_round
+core_sharing = _hooks.core_sharing
+core_wait_ns = _hooks.core_wait_ns
 gemm_f32 = _hooks.gemm_f32
 trace_balanced_loop = _hooks.trace_balanced_loop
 widen_16bit = _hooks.widen_16bit
@@ -28,6 +30,8 @@ __all__ = [
     "bf16_gemm",
     "bf16_pack_pairs",
     "bf16_round",
+    "core_sharing",
+    "core_wait_ns",
     "gemm_f32",
     "fail_next_step",
     "run_mha",

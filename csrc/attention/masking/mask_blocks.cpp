@@ -46,7 +46,7 @@ void MaskBlockMap<T>::build(const SdpaArgs<T>& a, const KernelTable<T>& kt, int 
   query_tiles_ = (L + query_tile - 1) / query_tile;
   key_blocks_ = (a.mask_cols + kKeys - 1) / kKeys;
   blocks_.resize(size_t(batches_ * heads_ * query_tiles_ * key_blocks_));
-  parallel_for(batches_ * heads_ * query_tiles_, threads, Schedule::kStatic, [&](int64_t t) {
+  parallel_for(batches_ * heads_ * query_tiles_, threads, [&](int64_t t) {
     const int64_t slice = t / query_tiles_, i0 = (t % query_tiles_) * query_tile;
     const int64_t b = slice / heads_, h = slice % heads_;
     const int64_t rows = std::min<int64_t>(query_tile, L - i0);
