@@ -32,14 +32,21 @@ inline void cpu_relax() {
 
 using Clock = std::chrono::steady_clock;
 
-// How long a worker keeps looking for the next loop before it sleeps, and a
-// caller for its loop's last claimed iterations before it sleeps: long
-// enough to span the gap between the loops of one call (a module's
-// projections, attention and output projection), short enough that an idle
-// pool gives its cores back to the machine's other work at once
-// (measurements: docs/tuning.md).
-constexpr auto kWorkerSpin = std::chrono::microseconds(50);
+// How long a worker on a core of its own keeps looking for the next loop
+// before it sleeps: long enough to span the gaps between the loops of one
+// call and between calls in a row (a decoding step's layers), short enough
+// that an idle pool gives its cores back to the machine's other work at once.
+// How long a caller waits for its loop's last claimed iterations before it
+// sleeps: up to a millisecond while every worker has a core of its own; 50 us
+// where one shares its core, so that a worker running on the caller's core
+// gets it (measurements: docs/tuning.md).
+constexpr auto kWorkerSpin = std::chrono::microseconds(200);
 constexpr auto kCallerSpin = std::chrono::microseconds(50);
+constexpr auto kCallerSpinAlone = std::chrono::microseconds(1000);
+
+// A worker asleep longer than this was idle: the first round after it says
+// nothing of whether its core is shared (see work).
+constexpr auto kIdle = std::chrono::milliseconds(5);
 
 // How long a worker on a shared core claims iterations after it is woken,
 // and how long it then sleeps before it claims again: a stretch well within
@@ -138,7 +145,9 @@ class Pool {
     const int64_t ran = loop.run_claims(0);
     const auto all_run = [&] { return loop.finished.load(std::memory_order_acquire) == n; };
     if (loop.finished.fetch_add(ran, std::memory_order_acq_rel) + ran != n &&
-        !spin_until(all_run, kCallerSpin)) {
+        !spin_until(all_run, shared_workers_.load(std::memory_order_relaxed) > 0
+                                 ? kCallerSpin
+                                 : kCallerSpinAlone)) {
       // Iterations claimed by workers still run: sleep until the last one
       // wakes this thread (see finish).
       loop.caller_asleep.store(true, std::memory_order_seq_cst);
@@ -177,16 +186,26 @@ class Pool {
     bool shared = false;
     for (;;) {
       const auto posted = [&] { return posted_.load(std::memory_order_seq_cst) != seen; };
+      bool idle = false;
       if (shared || !spin_until(posted, kWorkerSpin)) {
+        const Clock::time_point asleep = Clock::now();
         std::unique_lock<std::mutex> lock(mutex_);
         sleeping_.fetch_add(1, std::memory_order_seq_cst);
         workers_wake_.wait(lock, posted);
         sleeping_.fetch_sub(1, std::memory_order_relaxed);
+        idle = Clock::now() - asleep > kIdle;
       }
       seen = posted_.load(std::memory_order_acquire);
       join(loops_[seen % 2], seen, shared);
       const uint64_t now_waited = wait_clock.waited_ns();
-      shared = sharing.add_round(now_waited - waited, Clock::now());
+      // Woken after an idle while, a worker may wait for a core that has to
+      // wake up too, or be moved off its caller's: no sign of a busy thread.
+      if (!idle) {
+        const bool was_shared = shared;
+        shared = sharing.add_round(now_waited - waited, Clock::now());
+        if (shared != was_shared)
+          shared_workers_.fetch_add(shared ? 1 : -1, std::memory_order_relaxed);
+      }
       waited = now_waited;
     }
   }
@@ -231,6 +250,7 @@ class Pool {
   std::atomic<bool> busy_{false};
   std::atomic<uint64_t> posted_{0};  // the number of the latest loop
   std::atomic<int> sleeping_{0};     // workers asleep (or going to sleep) on workers_wake_
+  std::atomic<int> shared_workers_{0};  // workers that judge their core shared
   int started_ = 0;                  // changed only by the thread holding busy_
   std::mutex mutex_;
   std::condition_variable workers_wake_;
