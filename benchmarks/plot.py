@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots of a results file (benchmarks/results/DATE-MACHINE-COMMIT.json) as PNGs.
 
-    python benchmarks/plot.py benchmarks/results/2026-11-28-amd-epyc-avx2-2core-7e97ddc.json
+    python benchmarks/plot.py benchmarks/results/2026-11-29-intel-xeon-processor-avx512-2core-5ff341a.json
 
 writes, into ``--out-dir`` (default benchmarks/plots/), with the machine label in the names:
 
@@ -48,8 +48,8 @@ def short_label(shape: dict) -> str:
 def title_of(data: dict, load: str) -> str:
     """The machine (label, CPU, kernel, cores), the load the figures were measured under and the commit."""
     m = data.get("machine", {})
-    return (f"{m.get('label', '?')} ({m.get('cpu_model', '?')}, {m.get('isa', '?')}, {m.get('cores', '?')} cores); "
-            f"load: {load}; attnx {data.get('commit', '?')}")
+    return (f"{m.get('cpu_model', '?')}, {m.get('isa', '?')}, {m.get('cores', '?')} cores; "
+            f"attnx {data.get('commit', '?')}\nload: {load}")
 
 
 def background_load(runs: list[dict]) -> str:
@@ -59,7 +59,7 @@ def background_load(runs: list[dict]) -> str:
     if not shares:
         return "no busy processes"
     span = f"{min(shares):.0f}%" if round(min(shares)) == round(max(shares)) else f"{min(shares):.0f}-{max(shares):.0f}%"
-    return f"no busy processes, other processes {span} of the CPU"
+    return f"quiet (no busy processes; other processes {span} of the CPU)"
 
 
 def load_name(busy: int) -> str:
