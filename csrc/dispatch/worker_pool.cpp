@@ -143,7 +143,9 @@ class Pool {
     }
 
     const int64_t ran = loop.run_claims(0);
-    const auto all_run = [&] { return loop.finished.load(std::memory_order_acquire) == n; };
+    // seq_cst: with caller_asleep's store and finish's, either the caller
+    // sees the last iterations counted or their thread sees it asleep.
+    const auto all_run = [&] { return loop.finished.load(std::memory_order_seq_cst) == n; };
     if (loop.finished.fetch_add(ran, std::memory_order_acq_rel) + ran != n &&
         !spin_until(all_run, shared_workers_.load(std::memory_order_relaxed) > 0
                                  ? kCallerSpin
