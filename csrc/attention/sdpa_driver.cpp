@@ -309,7 +309,10 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
     const int64_t* lengths = parts[p].query_lengths;
     const T* part_states = states[p];
     const SdpaTasks& part_tasks = runs[p]->tasks;
-    parallel_for(parts[p].call.B * Hq * L, nthreads, [&](int64_t row) {
+    // Its own thread count: merging a decoding step's few rows is far less
+    // work than waking a worker for it.
+    const int64_t rows = parts[p].call.B * Hq * L;
+    parallel_for(rows, threads_for(double(rows) * double(chunks) * double(Ev)), [&](int64_t row) {
       const int64_t bh = row / L, i = row % L;
       // Packed: rows past the sequence's are another's (or another part's).
       if (i >= (lengths ? lengths[bh / Hq] : query_rows(a, bh / Hq))) return;
