@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots of a results file (benchmarks/results/DATE-MACHINE-COMMIT.json) as PNGs.
 
-    python benchmarks/plot.py benchmarks/results/2026-11-29-intel-xeon-processor-avx512-2core-5ff341a.json
+    python benchmarks/plot.py benchmarks/results/2026-11-29-intel-xeon-processor-avx512-2core-490aa68.json
 
 writes, into ``--out-dir`` (default benchmarks/plots/), with the machine label in the names:
 

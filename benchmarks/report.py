@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown tables of a results file (benchmarks/results/DATE-MACHINE-COMMIT.json).
 
-    python benchmarks/report.py benchmarks/results/2026-11-29-intel-xeon-processor-avx512-2core-5ff341a.json
+    python benchmarks/report.py benchmarks/results/2026-11-29-intel-xeon-processor-avx512-2core-490aa68.json
 
 prints, for each section the file has, the tables that benchmarks/README.md shows: compare.py's
 per thread count (times, best peer, speed-ups, attnx's fraction of the FMA peak or of the read
