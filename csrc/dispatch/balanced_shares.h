@@ -25,7 +25,7 @@ namespace attnx {
 class BalancedShares {
  public:
   // Whether n iterations fit the words' halves.
-  static bool fits(int64_t n) { return n >= 0 && n < (int64_t(1) << 31); }
+  static constexpr bool fits(int64_t n) { return n >= 0 && n < (int64_t(1) << 31); }
 
   // Room for loops of up to `capacity` threads.
   explicit BalancedShares(int capacity);

@@ -1,6 +1,5 @@
 #include "dispatch/core_waits.h"
 
-#include <cstdio>
 #include <cstdlib>
 
 #ifdef __linux__

@@ -3,7 +3,6 @@
 
 #include <cstdint>
 
-#include "dispatch/balanced_shares.h"
 #include "dispatch/worker_pool.h"
 
 namespace attnx {
@@ -33,19 +32,8 @@ constexpr double kStreamedElementWork = 8;
 template <typename Body>
 void parallel_for(int64_t n, int threads, const Body& body) {
   if (threads > 1 && n > 1) {
-    const LoopInvoker invoke = [](const void* b, int64_t i) { (*static_cast<const Body*>(b))(i); };
-    if (BalancedShares::fits(n)) {
-      run_claimed_loop(n, threads, invoke, &body);
-      return;
-    }
-    // Beyond a share word's range: loops of 2^30 iterations in turn.
-    constexpr int64_t kPart = int64_t(1) << 30;
-    for (int64_t base = 0; base < n; base += kPart) {
-      const auto part = [&](int64_t i) { body(base + i); };
-      using Part = decltype(part);
-      run_claimed_loop(n - base < kPart ? n - base : kPart, threads,
-                       [](const void* p, int64_t i) { (*static_cast<const Part*>(p))(i); }, &part);
-    }
+    run_claimed_loop(
+        n, threads, [](const void* b, int64_t i) { (*static_cast<const Body*>(b))(i); }, &body);
     return;
   }
   SerialLoopScope scope;

@@ -50,8 +50,8 @@ constexpr auto kIdle = std::chrono::milliseconds(5);
 
 // How long a worker on a shared core claims iterations after it is woken,
 // and how long it then sleeps before it claims again: a stretch well within
-// the slice the OS gives a thread woken from sleep (0.7-3 ms on Linux), so
-// that it sleeps again before the slice ends; a sleep that ends the slice
+// the time slice the OS gives a thread woken from sleep, so that it sleeps
+// again before the slice ends; a sleep that ends the slice
 // and leaves the core to the other thread for a while, so that the next
 // stretch starts on a fresh one (measurements: docs/tuning.md).
 constexpr auto kSharedCoreBudget = std::chrono::microseconds(1000);
@@ -88,6 +88,7 @@ struct alignas(64) Loop {
   std::atomic<int64_t> finished{0};  // iterations run, added by each thread once its claims run out
   std::atomic<bool> caller_asleep{false};
   int threads = 0;
+  int64_t base = 0;  // the loop's iterations are base + [0, n)
   int64_t n = 0;
   LoopInvoker invoke = nullptr;
   const void* body = nullptr;
@@ -101,7 +102,7 @@ struct alignas(64) Loop {
     int64_t ran = 0;
     const bool timed = until != Clock::time_point::max();
     for (int64_t i = shares.next(thread); i >= 0; i = shares.next(thread)) {
-      invoke(body, i);
+      invoke(body, base + i);
       ++ran;
       if (timed && Clock::now() >= until) break;
     }
@@ -116,10 +117,13 @@ class Pool {
 
   int capacity() const { return capacity_; }
 
-  // Whether the calling thread may post a loop (no other loop is running).
+  // Whether the calling thread may post loops (no other thread's loop is
+  // running); it posts them until release().
   bool try_acquire() { return !busy_.exchange(true, std::memory_order_acquire); }
+  void release() { busy_.store(false, std::memory_order_release); }
 
-  void run(int64_t n, int threads, LoopInvoker invoke, const void* body) {
+  // Runs invoke(body, base + i) for i in [0, n), n a share word's range.
+  void run(int64_t base, int64_t n, int threads, LoopInvoker invoke, const void* body) {
     start_workers(threads - 1);
     threads = std::min(threads, started_ + 1);
     const uint64_t number = posted_.load(std::memory_order_relaxed) + 1;
@@ -128,6 +132,7 @@ class Pool {
     // be leaving it (a few instructions, unless the OS stopped it there).
     while (loop.visitors.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
     loop.threads = threads;
+    loop.base = base;
     loop.n = n;
     loop.invoke = invoke;
     loop.body = body;
@@ -157,7 +162,6 @@ class Pool {
       caller_wake_.wait(lock, all_run);
     }
     loop.number.store(Loop::kClosed, std::memory_order_seq_cst);
-    busy_.store(false, std::memory_order_release);
   }
 
  private:
@@ -299,7 +303,13 @@ void run_claimed_loop(int64_t n, int threads, LoopInvoker invoke, const void* bo
     for (int64_t i = 0; i < n; ++i) invoke(body, i);
     return;
   }
-  p.run(n, threads, invoke, body);
+  // A share word holds fewer than 2^31 iterations: a longer loop runs as
+  // loops of 2^30 in turn.
+  constexpr int64_t kPart = int64_t(1) << 30;
+  static_assert(BalancedShares::fits(kPart), "a part fits a share word");
+  for (int64_t base = 0; base < n; base += kPart)
+    p.run(base, std::min(kPart, n - base), threads, invoke, body);
+  p.release();
 }
 
 int current_thread() { return t_thread; }
