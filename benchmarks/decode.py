@@ -230,14 +230,8 @@ def setup_torch(data: dict, length: int, threads: int, opts) -> Bench:
 
 def _ort_session(model: bytes, threads: int):
     ort = import_optional("onnxruntime")
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    return ort, ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return ort, ort.InferenceSession(model, peers.ort_session_options(ort, threads),
+                                     providers=["CPUExecutionProvider"])
 
 
 def _onnx_model(op: str, dtype: np.dtype, kv_heads: int, past_len: int, present_len: int) -> bytes:

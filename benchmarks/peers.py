@@ -346,7 +346,7 @@ def _ort_bound_run(session, feeds: dict) -> Callable[[], Any]:
     return run
 
 
-def _ort_options(ort, threads: int):
+def ort_session_options(ort, threads: int):
     """Session options: `threads` intra-op threads that do not spin, all graph optimisations."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -366,7 +366,7 @@ def setup_onnxruntime(shape: Shape, data, threads: int, precision: str = "float3
     if shape.kind in LAYER_KINDS:
         return setup_onnxruntime_layer(shape, data, threads)
     ort = import_optional("onnxruntime")
-    session = ort.InferenceSession(_onnx_model_bytes(shape, data), _ort_options(ort, threads),
+    session = ort.InferenceSession(_onnx_model_bytes(shape, data), ort_session_options(ort, threads),
                                    providers=["CPUExecutionProvider"])
 
     if shape.kind == "sdpa":
@@ -751,7 +751,7 @@ def setup_onnxruntime_layer(shape: Shape, data, threads: int) -> Bench:
     ort = import_optional("onnxruntime")
     model = export_onnx_layer(shape, data)
     try:
-        session = ort.InferenceSession(model, _ort_options(ort, threads), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model, ort_session_options(ort, threads), providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise Unavailable(f"ONNX Runtime cannot load the exported model: {type(exc).__name__}: {exc}") from None
     feeds = _layer_feeds(shape, data)
