@@ -525,6 +525,73 @@ def test_cached_attention_within_the_bounds(cache_dtype):
     assert not got[1, :, 2].any()
 
 
+# Decoding over a cache of unit-normal keys and values: the largest error against float64 of the
+# unquantized float32 data (docs/api.md, "Precision": about 1.5x the largest measured on this
+# case), per cache dtype and precision. The cache's own rounding dominates the 16-bit and int8
+# rows; bfloat16 products add the rounding of the queries and the probabilities (and of a
+# float32 cache's elements).
+DECODE_F64_BOUND = {
+    ("float32", None): 1e-6, ("float16", None): 2e-4, ("bfloat16", None): 1.2e-3, ("int8", None): 6e-3,
+    ("float32", BF16): 2e-3, ("float16", BF16): 2e-3, ("bfloat16", BF16): 2e-3, ("int8", BF16): 6e-3,
+}
+# bfloat16 products against the default precision on the same cache.
+DECODE_BF16_FROM_DEFAULT = 2e-3
+
+
+@pytest.mark.parametrize("precision", [None, BF16])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decoding_error_against_float64_per_cache_and_precision(cache_dtype, precision, paged):
+    dtype = _cache_dtype(cache_dtype)
+    rng = np.random.default_rng(19)
+    B, Hk, Hq, E, S = 2, 2, 8, 64, 300
+    k, v = f32(rng, (B, Hk, S, E)), f32(rng, (B, Hk, S, E))
+    q = f32(rng, (B, Hq, 1, E))
+    lengths = [S, 211]
+    if paged:
+        cache = attnx.PagedKVCache(2 * S // 16 + 2, 16, Hk, E, dtype)
+        seqs = [cache.add_sequence() for _ in range(B)]
+        for b, n in enumerate(lengths):  # the prompt, then one decoding step's query
+            attnx.paged_attention(np.zeros((n - 1, Hq, E), np.float32), cache, [seqs[b]], [n - 1],
+                                  k[b, :, :n - 1].transpose(1, 0, 2), v[b, :, :n - 1].transpose(1, 0, 2))
+        step_k = np.stack([k[b, :, n - 1] for b, n in enumerate(lengths)])
+        step_v = np.stack([v[b, :, n - 1] for b, n in enumerate(lengths)])
+        got = attnx.paged_attention(q[:, :, 0], cache, seqs, [1, 1], step_k, step_v, precision=precision)
+        got = got[:, :, None]
+    else:
+        cache = attnx.KVCache(B, Hk, S, E, dtype)
+        cache.append(k, v, lengths=lengths)
+        got = attnx.cached_attention(q, cache, precision=precision)
+    exact = reference.cached_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), lengths)
+    error = max_error(got, exact)
+    assert error <= DECODE_F64_BOUND[cache_dtype, precision], error
+    if precision is not None and not paged:  # the rounding of the operands, from the default's
+        assert max_error(got, attnx.cached_attention(q, cache)) <= DECODE_BF16_FROM_DEFAULT
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_decoding_takes_a_16bit_or_int8_cache_as_stored(cache_dtype):
+    # One key and scale 1: the probability is 1, exact, so the output is the value row as the
+    # products take it. Decoding reads the cache in place: a float32 element is rounded to
+    # bfloat16 as it is read, a float16 one is an operand as it is (its products with bfloat16
+    # values are exact in float32), a bfloat16 one is already rounded, and an int8 row is its
+    # integers times its float32 scale.
+    dtype = _cache_dtype(cache_dtype)
+    rng = np.random.default_rng(20)
+    cache = attnx.KVCache(1, 1, 4, 16, dtype)
+    k, v = f32(rng, (1, 1, 1, 16)), f32(rng, (1, 1, 1, 16))
+    cache.append(k, v)
+    q = f32(rng, (1, 2, 1, 16))
+    got = attnx.cached_attention(q, cache, scale=1.0, precision=BF16)
+    _, stored, _ = cache.storage()
+    stored = _stored(cache, stored, "value_scales")[:, :, :1].astype(np.float32)
+    if cache_dtype == "float32":
+        stored = reference._round_bfloat16(stored)
+    assert_identical(got, np.broadcast_to(stored, got.shape).astype(np.float32))
+    if cache_dtype == "float16":  # not rounded to bfloat16 on the way
+        assert not np.array_equal(got, np.broadcast_to(reference._round_bfloat16(stored), got.shape))
+
+
 def test_cached_attention_refuses_bfloat16_with_a_float64_cache():
     cache = attnx.KVCache(1, 1, 4, 8, np.float64)
     q = np.ones((1, 1, 1, 8), np.float32)

@@ -125,15 +125,18 @@ void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
 
 }  // namespace
 
-void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool tile_path,
+void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, SdpaPath path,
                   Bf16Operands& ops, SdpaArgs<float>& a16) {
   const Bf16KernelTable& kt16 = active_bf16_kernels();
   ops.kt16 = &kt16;
   a16 = a;
   const int64_t E = a.query.shape[3];
+  const bool tile_path = path == SdpaPath::kTiles;
   // Queries: the tile path rounds round(scale * q) as it packs a tile;
   // the others read a copy of them, whose scale is then 1.
   if (!tile_path) round_queries(a, kt, kt16, ops, a16);
+  // The row path reads the keys and values where they are (flash_rows).
+  if (path == SdpaPath::kRows) return;
 
   // Keys: bfloat16 rows of an even length.
   if (!pairs_in_place(a.key)) {

@@ -6,12 +6,22 @@
 //             for the row paths a float32 copy (the call's scale then 1)
 //   keys      bfloat16 rows with an even row stride: read in place where the
 //             caller's keys are such rows, else rounded into a copy; the tile
-//             path multiplies them as pairs along the head dim, the row paths
-//             widen them
+//             path multiplies them as pairs along the head dim, the weights
+//             paths widen them
 //   values    the tile path: pairs of consecutive keys' values (P.V sums
-//             over keys); the row paths: bfloat16 rows, as the keys
+//             over keys); the weights paths: bfloat16 rows, as the keys
 //   P         rounded where each path multiplies it (the tile path packs it
 //             into pairs; the row paths round it in place)
+//
+// The row path without weights (decoding) copies neither keys nor values:
+// it reads the cache in place on every call, float32 rows rounded to
+// bfloat16 in registers as they are read, and float16, bfloat16 and int8
+// rows taken as stored. Their elements are then the operands: a bfloat16
+// or int8 element is a bfloat16 value (int8 rows' scales multiply in
+// float32), and a float16 one has more significand bits, so that its
+// products with the rounded queries and probabilities are exact in
+// float32 as well; rounding it too would cost that path time and gain no
+// speed anywhere.
 //
 // Broadcast batch or head axes stay broadcast in the copies.
 #pragma once
@@ -19,6 +29,7 @@
 #include <cstdint>
 
 #include "attention/cache_line_array.h"
+#include "attention/sdpa_plan.h"
 #include "attnx/attention.h"
 #include "kernels/bf16_table.h"
 #include "kernels/kernel_table.h"
@@ -46,8 +57,9 @@ struct Bf16Operands {
 };
 
 // Fills `ops` and `a16`: `a` with its query, keys and values replaced by the
-// rounded operands. `tile_path`: the values as pairs (else as bfloat16 rows).
-void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, bool tile_path,
+// rounded operands that `path` reads (the tile path: the values as pairs;
+// the weights paths: bfloat16 rows; the row path: the queries alone).
+void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, SdpaPath path,
                   Bf16Operands& ops, SdpaArgs<float>& a16);
 
 }  // namespace attnx::sdpa

@@ -101,25 +101,16 @@ void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape
 template <typename T>
 bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call);
 
-// A call with bfloat16 products: planned on its own operands, which are then
-// rounded for the path it takes (into a16), and planned again on those
-// (their storage differs); where that plan's path is another, the operands
-// are rounded for it instead.
+// A call with bfloat16 products: planned as the call it is (the planner
+// knows what each path then reads), and its operands rounded for the path
+// planned (into a16).
 static void sdpa_forward_bf16(const SdpaArgs<float>& args, const KernelTable<float>& kt) {
+  SdpaShape call = describe(args);
+  call.bf16_products = true;
+  const SdpaPlan plan = plan_of(call, kt);
   SdpaArgs<float> a16;
   Bf16Operands ops;
-  bool tiles = plan_of(describe(args), kt).path == SdpaPath::kTiles;
-  prepare_bf16(args, kt, tiles, ops, a16);
-  SdpaShape call = describe(a16);
-  SdpaPlan plan = plan_of(call, kt);
-  if ((plan.path == SdpaPath::kTiles) != tiles) {
-    tiles = !tiles;
-    prepare_bf16(args, kt, tiles, ops, a16);
-    call = describe(a16);
-    plan = plan_of(call, kt);
-  }
-  // The tile path reads the values as pairs, not from an aligned copy.
-  plan.align_values = false;
+  prepare_bf16(args, kt, plan.path, ops, a16);
   run_planned(a16, kt, call, plan, &ops);
 }
 

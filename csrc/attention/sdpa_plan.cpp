@@ -66,8 +66,15 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
     const double heads = double(!v.batch_broadcast ? B : 1) * double(!v.head_broadcast ? Hk : 1);
     return std::make_pair(double(S_read) * double(cols) * element, heads);
   };
-  const auto [key_head_bytes, key_heads] = head_bytes_and_count(call.keys, E);
-  const auto [value_head_bytes, value_heads] = head_bytes_and_count(call.values, Ev);
+  // With bfloat16 products the tile path reads bfloat16 keys and value
+  // pairs, whatever the call stores.
+  StoredShape keys_read = call.keys, values_read = call.values;
+  if (tiled && call.bf16_products) {
+    keys_read.element_size = values_read.element_size = 2;
+    keys_read.native = values_read.native = false;
+  }
+  const auto [key_head_bytes, key_heads] = head_bytes_and_count(keys_read, E);
+  const auto [value_head_bytes, value_heads] = head_bytes_and_count(values_read, Ev);
   const double head_bytes = key_head_bytes + value_head_bytes;
   const bool ask_ahead =
       tiled && key_heads * key_head_bytes + value_heads * value_head_bytes > kAheadMinCallBytes &&
@@ -77,7 +84,7 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
   const int64_t values_ld = aligned_values_ld<T>(Ev);
   const double values_copy_bytes = double(S) * double(values_ld) * sizeof(T);
   const bool align_values =
-      tiled && call.values.native && !ask_ahead &&
+      tiled && values_read.native && !ask_ahead &&
       q_blocks >= min_tiles_to_align<T>(kernel.vector_width) &&
       values_copy_bytes <= kAlignedValuesMaxBytes &&
       values_copy_bytes * nthreads <= kAlignedValuesMaxCallBytes && !call.values_on_lines &&

@@ -35,6 +35,9 @@ struct SdpaShape {
   bool packed = false;
   double pairs = 0;            // packed: sum over batches of qlen * klen
   bool weights = false;        // the probabilities are wanted
+  // Products of bfloat16 operands (Precision::kBFloat16; see sdpa_bf16.h):
+  // the tile path reads the keys and the values as bfloat16 pairs.
+  bool bf16_products = false;
   bool values_on_lines = true; // the value rows of (0, 0) start on cache lines
 };
 

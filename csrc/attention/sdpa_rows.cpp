@@ -65,13 +65,22 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   // costs less than storing the block and loading it back (see docs/tuning.md).
   const bool direct_keys = rows <= 4 && keys.stored();
   const bool direct_values = rows <= 4 && values.stored();
+  // With bfloat16 products the cache is read in place, never rounded into
+  // a copy on each call: float32 rows are listed and rounded as the
+  // bfloat16 table's row kernels read them; 16-bit and int8 rows are taken
+  // as stored (their elements are the operands: see sdpa_bf16.h).
+  const Bf16KernelTable* kt16 = nullptr;
+  if constexpr (std::is_same_v<T, float>) kt16 = c.bf16 ? c.bf16->kt16 : nullptr;
+  const bool rounded_keys = kt16 && !keys.stored();
+  const bool rounded_values = kt16 && !values.stored();
   // A paged cache's rows, which lie in blocks, are listed one pointer each
   // and read by the listed kernels: a block of kKeyBlock keys is then one
   // call, read and asked for ahead as a contiguous one is (a call per
   // cache block took 1.5x the time at 16 rows a block: see docs/tuning.md).
   // Stored rows for more than 4 rows are widened into the buffer as usual.
-  const bool listed_keys = keys.blocks && (direct_keys || !keys.stored());
-  const bool listed_values = values.blocks && (direct_values || !values.stored());
+  const bool listed_keys = rounded_keys || (keys.blocks && (direct_keys || !keys.stored()));
+  const bool listed_values =
+      rounded_values || (values.blocks && (direct_values || !values.stored()));
   // A block's rows listed, and the next rows (to be asked for ahead, as the
   // kernels do within a block: at a block's start a contiguous cache has
   // the hardware prefetchers' stream going, a paged one not).
@@ -89,14 +98,21 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     request_lines_to_l2(lead, lead.size());
     const T* kb = direct_keys || listed_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
     const T* vb = direct_values || listed_values ? nullptr : values.rows(start, n, v_buf, ldv);
+    const T* rounded_block = nullptr;
     // (1) the scores of every row: the kernel takes a few rows through each
     // key at once; the first of them read the block from memory, the others
     // from cache.
     const int64_t ahead = std::clamp<int64_t>(keys_held - start - n, 0, kListAhead);
     if (listed_keys) {
       keys.list(start, n, ahead, listed, listed_scales);
-      kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, n + ahead, E,
-                       a.query_scale(), s_rows);
+      if constexpr (std::is_same_v<T, float>) {
+        if (rounded_keys)
+          kt16->scores_rounded(q_rows, n_rows, reinterpret_cast<const float* const*>(listed), n,
+                               n + ahead, E, a.query_scale(), s_rows);
+      }
+      if (!rounded_keys)
+        kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, n + ahead,
+                         E, a.query_scale(), s_rows);
     } else if constexpr (std::is_same_v<T, float>) {
       if (direct_keys && keys.q8)
         kt.scores_int8(q_rows, n_rows, keys.q8 + start * keys.ld, keys.ld, keys.scales + start,
@@ -132,6 +148,13 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
         // block holds a value that is not finite, the row goes key by key
         // (see accumulate_values).
         if (vb == nullptr) vb = values.rows(start, n, v_buf, ldv);
+        if (rounded_values && vb != rounded_block) {
+          // The operands of the products: this block rounded, in the buffer.
+          if (vb != v_buf)
+            for (int64_t i = 0; i < n; ++i) std::copy_n(vb + i * ldv, Ev, v_buf + i * Ev);
+          vb = rounded_block = v_buf, ldv = Ev;
+          round_operands(c, v_buf, n * Ev);
+        }
         if (!rows_finite(kt, vb, ldv, n, Ev)) {
           accumulate_values(a, kt, b, head[r], row[r], start, n, true, s, vb, ldv, Ev, acc_r,
                             false);
@@ -149,7 +172,13 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     }
     if (listed_values) {
       values.list(start, n, ahead, listed, listed_scales);
-      kt.accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n,
+      if constexpr (std::is_same_v<T, float>) {
+        if (rounded_values)
+          kt16->accumulate_pv_rounded(p_plain, plain, reinterpret_cast<const float* const*>(listed),
+                                      n, n + ahead, Ev, acc_plain);
+      }
+      if (!rounded_values)
+        kt.accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n,
                               n + ahead, Ev, acc_plain);
     } else if (direct_values) {
       if constexpr (std::is_same_v<T, float>) {

@@ -35,10 +35,10 @@ void sdpa_scores(const SdpaArgs<T>& a, ScoreStage stage, T* scores) {
   const KernelTable<T>& kt = active_kernels(T());
   if constexpr (std::is_same_v<T, float>) {
     if (a.precision == Precision::kBFloat16) {
-      // The scores of the rounded operands, as the row paths compute them.
+      // The scores of the rounded operands, as the weights paths compute them.
       Bf16Operands ops;
       SdpaArgs<T> a16;
-      prepare_bf16(a, kt, false, ops, a16);
+      prepare_bf16(a, kt, SdpaPath::kRowsWithWeights, ops, a16);
       a16.precision = Precision::kNative;
       return sdpa_scores(a16, stage, scores);
     }

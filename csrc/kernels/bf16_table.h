@@ -56,6 +56,15 @@ struct Bf16KernelTable {
   void (*gemm_wide)(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t a_row,
                     int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                     GemmInit init, const float* init_values);
+
+  // The row path's products (decoding, sdpa_rows.cpp) from float32 rows
+  // rounded to bfloat16 as they are read, with this table's rounding: the
+  // float32 row kernels' scores_listed and accumulate_pv_listed over listed
+  // rows (KernelTable), the same sums on the rounded elements.
+  void (*scores_rounded)(const float* const* q, int rows, const float* const* k, int64_t n_keys,
+                         int64_t listed, int64_t dim, float scale, float* const* dst);
+  void (*accumulate_pv_rounded)(const float* const* p, int rows, const float* const* v,
+                                int64_t n_keys, int64_t listed, int64_t dim, float* const* acc);
 };
 
 const Bf16KernelTable& scalar_bf16_kernels();

@@ -24,6 +24,7 @@
 #include "kernels/simd/bf16_bits.h"
 #include "kernels/simd/gemm_kernels.h"
 #include "kernels/simd/kernel_helpers.h"
+#include "kernels/simd/row_kernels.h"
 
 namespace attnx::simd {
 // Internal linkage: this code is compiled once per instruction set, and no
@@ -167,10 +168,17 @@ struct Bf16Kernels {
         M, N, K2, a, a_row, a_col, b, ldb, c, ldc, init, init_values);
   }
 
+  // The float32 row kernels with this table's rounding (round_vector).
+  struct RoundingVec : Vec {
+    static V round_bf16(V x) { return round_vector(x); }
+  };
+  using Rows = RowKernels<RoundingVec>;
+
   static Bf16KernelTable table(const char* name, Isa isa) {
     return Bf16KernelTable{name,           isa,   kNative,    kVectors * W,
                            gemm,           round, round_in_place, pack_pairs,
-                           kWideVectors * W, kNative ? gemm_wide : gemm};
+                           kWideVectors * W, kNative ? gemm_wide : gemm,
+                           Rows::scores_rounded, Rows::accumulate_pv_rounded};
   }
 };
 

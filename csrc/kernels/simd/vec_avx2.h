@@ -95,6 +95,16 @@ struct Avx2F32 {
   static V load_widen_bf16_partial(const uint16_t* p, int n) {
     return avx2_detail::widen_bf16(avx2_detail::load_u16_partial(p, n));
   }
+  // bfloat16 values as the operands of products, as Avx512F32's.
+  static V load_bf16_operand(const uint16_t* p) {
+    return bf16_bits_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V load_bf16_operand_partial(const uint16_t* p, int n) {
+    return bf16_bits_to_float(avx2_detail::load_u16_partial(p, n));
+  }
+  static V bf16_bits_to_float(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
   // Pairs of bfloat16, as Avx512F32's.
   static V load_pairs(const uint32_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
   static V load_pairs_partial(const uint32_t* p, int n) {

@@ -105,6 +105,11 @@ struct Portable {
       return i < n ? float_from_bits(bfloat16_to_float32_bits(p[i])) : T(0);
     });
   }
+  // bfloat16 values as the operands of products (Avx512F32's): widened.
+  static V load_bf16_operand(const uint16_t* p) { return load_widen_bf16(p); }
+  static V load_bf16_operand_partial(const uint16_t* p, int n) {
+    return load_widen_bf16_partial(p, n);
+  }
   // Pairs of bfloat16, as Avx512F32's (float vectors only): the lanes carry
   // the bits, copied whole.
   static uint32_t bits_of(T x) { return bits_of_float(x); }
