@@ -76,6 +76,11 @@ The helpers of ``timing.py`` (imported from beside this file) do the timing and 
   or 1-byte elements can be bound by the arithmetic rather than by the bytes.
 * The share of the machine's CPU time used by other processes during the run is reported
   (``--wait-quiet`` waits for a quiet machine first).
+* ``--precision bfloat16`` times attnx with ``precision="bfloat16"`` and, in the same rounds,
+  attnx at the default precision on the same cache ("attnx float32"); each row gives the median
+  over rounds of the ratio of their block medians (default / bfloat16: above 1, bfloat16 products
+  are faster). Its tolerance is bfloat16's for float32 and float16 caches. The run is written to
+  the ``decode-bfloat16`` section.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -170,14 +176,16 @@ def reference_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, length: int) -
     return out.reshape(1, Q_HEADS, 1, HEAD_DIM)
 
 
-def check_output(got, ref: np.ndarray, dtype: str) -> dict:
-    """Max abs difference from the float64 reference, and whether it is within the dtype's tolerance."""
+def check_output(got, ref: np.ndarray, dtype: str, precision: str = "float32") -> dict:
+    """Max abs difference from the float64 reference, and whether it is within the tolerance of the
+    dtype (with bfloat16 products, at least bfloat16's)."""
     got = np.asarray(got)
     result = {"out_dtype": str(got.dtype), "out_shape": list(got.shape)}
     if got.shape != ref.shape:
         return {**result, "max_abs_diff": None, "ok": False, "problem": f"shape {got.shape} != {ref.shape}"}
     diff = float(np.max(np.abs(got.astype(np.float64) - ref)))
-    tol = TOLERANCE[dtype] * max(1.0, float(np.max(np.abs(ref))))
+    tolerance = TOLERANCE[dtype] if precision == "float32" else max(TOLERANCE[dtype], TOLERANCE["bfloat16"])
+    tol = tolerance * max(1.0, float(np.max(np.abs(ref))))
     # the error of the exact result rounded once to the output's dtype: the least any library can have
     rounding = float(np.max(np.abs(ref.astype(got.dtype).astype(np.float64) - ref))) if got.dtype.kind == "f" else None
     return {**result, "max_abs_diff": diff, "rounding_of_reference": rounding, "tolerance": tol,
@@ -200,14 +208,23 @@ def attnx_cache(data: dict, length: int, max_len: int):
     return cache
 
 
-def setup_attnx(data: dict, length: int, threads: int, opts) -> Bench:
+def setup_attnx(data: dict, length: int, threads: int, opts, precision: str | None = None) -> Bench:
     import attnx
 
+    precision = opts.precision if precision is None else precision
     attnx.set_num_threads(threads)
     cache = attnx_cache(data, length, opts.max_len)
     q = data["q"]
-    return Bench(lambda: attnx.cached_attention(q, cache),
-                 note=f"attnx.cached_attention over KVCache(max_len={opts.max_len})")
+    chosen = None if precision == "float32" else precision
+    kernels = attnx.show_config()["precisions"]["bfloat16"] if chosen else None
+    return Bench(lambda: attnx.cached_attention(q, cache, precision=chosen),
+                 note=f"attnx.cached_attention over KVCache(max_len={opts.max_len})"
+                      + (f", precision={chosen!r} ({kernels})" if chosen else ""))
+
+
+def setup_attnx_float32(data: dict, length: int, threads: int, opts) -> Bench:
+    """attnx at the default precision, beside a --precision bfloat16 run."""
+    return setup_attnx(data, length, threads, opts, "float32")
 
 
 def setup_torch(data: dict, length: int, threads: int, opts) -> Bench:
@@ -362,7 +379,8 @@ def setup_onnxruntime(data: dict, length: int, threads: int, opts) -> Bench:
     return setup_ort_mha(data, length, threads, opts)
 
 
-ADAPTERS = {"attnx": setup_attnx, "torch": setup_torch, "onnxruntime": setup_onnxruntime}
+ADAPTERS = {"attnx": setup_attnx, "torch": setup_torch, "onnxruntime": setup_onnxruntime,
+            "attnx_float32": setup_attnx_float32}
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,11 +447,14 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
     reference = reference_decode(data["q"], data["k"], data["v"], length)
     status: dict[str, dict] = {}
     benches: dict[str, Bench] = {}
+    if opts.precision != "float32":
+        libs = [*libs, "attnx_float32"]
     for name in libs:
         try:
             bench = ADAPTERS[name](data, length, threads, opts)
+            precision = opts.precision if name == "attnx" else "float32"
             status[name] = {"status": "ok", "note": bench.note,
-                            **check_output(bench.to_numpy(bench.run()), reference, dtype)}
+                            **check_output(bench.to_numpy(bench.run()), reference, dtype, precision)}
             benches[name] = bench
         except NotInstalled as exc:
             status[name] = {"status": "not installed", "note": str(exc)}
@@ -447,7 +468,8 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
         try:
             import attnx
 
-            exact = attnx.cached_attention(data["q"], attnx_cache(data, length, length))
+            exact = attnx.cached_attention(data["q"], attnx_cache(data, length, length),
+                                           precision=None if opts.precision == "float32" else opts.precision)
             same = np.array_equal(np.asarray(exact), np.asarray(benches["attnx"].run()), equal_nan=True)
             status["attnx"]["same_as_exact_capacity_cache"] = bool(same)
             if not same:
@@ -460,6 +482,10 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
     if not benches and progress is not None:
         progress.update(opts.rounds)
     nbytes = kv_bytes(length, data["k"].shape[1], dtype)
+    default_vs_chosen = None
+    if "attnx" in timings and "attnx_float32" in timings:
+        ratios = [d / b for d, b in zip(timings["attnx_float32"]["block_medians_ms"], timings["attnx"]["block_medians_ms"])]
+        default_vs_chosen = statistics.median(ratios)
     for name, t in timings.items():
         status[name].update(t)
         status[name]["median_us"] = 1e3 * t["median_ms"]
@@ -469,7 +495,7 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
     gc.collect()
     return {"dtype": dtype, "length": length, "kv_heads": data["k"].shape[1], "q_heads": Q_HEADS,
             "head_dim": HEAD_DIM, "max_len": opts.max_len, "kv_bytes": nbytes, "flops": step_flops(length),
-            "libs": status}
+            "default_vs_bfloat16_per_round": default_vs_chosen, "libs": status}
 
 
 def add_comparisons(row: dict, peaks: dict, caches: dict) -> None:
@@ -527,7 +553,7 @@ def run_worker(threads: int, opts) -> dict:
         del data
         gc.collect()
     progress.close()
-    return {"threads": threads, "peaks": peaks, "caches": caches, "rows": rows,
+    return {"threads": threads, "precision": opts.precision, "peaks": peaks, "caches": caches, "rows": rows,
             "background_cpu_fraction": load.fraction()}
 
 
@@ -540,7 +566,8 @@ def worker_argv(out_path: str, opts) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(opts.threads), "--worker-out", out_path,
             "--lengths", *map(str, opts.lengths), "--dtypes", *opts.dtypes, "--kv-heads", str(opts.kv_heads),
             "--libs", *opts.libs, "--rounds", str(opts.rounds), "--block-seconds", str(opts.block_seconds),
-            "--pause-ms", str(opts.pause_ms), "--ort-op", opts.ort_op, "--seed", str(opts.seed)]
+            "--pause-ms", str(opts.pause_ms), "--ort-op", opts.ort_op, "--seed", str(opts.seed),
+            "--precision", opts.precision]
     return argv + (["--quick"] if opts.quick else []) + (["--no-progress"] if opts.no_progress else [])
 
 
@@ -650,7 +677,9 @@ def parse_args(argv=None):
     p.add_argument("--out", "--json", dest="out", metavar="PATH",
                    help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
                         "saved only when this is given)")
-    p.add_argument("--section", default="decode", help="key of the results file to write (default decode)")
+    p.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                   help="attnx's precision= (bfloat16: attnx at the default precision runs beside it; see above)")
+    p.add_argument("--section", help="key of the results file to write (default decode, or decode-bfloat16)")
     p.add_argument("--no-save", action="store_true", help="print the report only")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 short rounds, lengths 128 and 2048")
@@ -677,6 +706,8 @@ def parse_args(argv=None):
         opts.pause_ms = min(opts.pause_ms, 10.0)
     if "attnx" not in opts.libs:
         opts.libs = ["attnx", *opts.libs]
+    if opts.section is None:
+        opts.section = "decode" if opts.precision == "float32" else f"decode-{opts.precision}"
     return opts
 
 
@@ -706,7 +737,7 @@ def main(argv=None) -> int:
         "versions": {n: x for n, x in peers.library_versions().items() if n not in ("openvino",)},
         "config": {"threads": opts.threads, "kv_heads": opts.kv_heads, "q_heads": Q_HEADS, "head_dim": HEAD_DIM,
                    "lengths": opts.lengths, "dtypes": opts.dtypes, "max_len": opts.max_len, "libs": opts.libs,
-                   "ort_op": opts.ort_op, "rounds": opts.rounds, "block_seconds": opts.block_seconds,
+                   "ort_op": opts.ort_op, "precision": opts.precision, "rounds": opts.rounds, "block_seconds": opts.block_seconds,
                    "pause_ms": opts.pause_ms, "seed": opts.seed, "quick": opts.quick,
                    "load_before_start": waited, "argv": sys.argv[1:] if argv is None else list(argv)},
         "run": run,

@@ -193,6 +193,10 @@ def decode_table(run: dict) -> str:
     head = ["dtype", "cache length", "K+V read", "fits L3", "attnx us", "torch us", "onnxruntime us",
             "best peer", "speed-up", "attnx GB/s", "read BW, same size GB/s", "% of read BW", "attnx GFLOP/s",
             "% of FMA peak"]
+    # --precision bfloat16: attnx at the default precision beside it, and their per-round ratio.
+    beside = run.get("precision", "float32") != "float32"
+    if beside:
+        head += ["attnx float32 us", "float32 / bfloat16 per round"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in run["rows"]:
         same = r.get("read_bw_same_size")
@@ -209,6 +213,10 @@ def decode_table(run: dict) -> str:
         cells.append(f"{r['attnx_gflops']:.1f}" if "attnx_gflops" in r else "-")
         fma = r.get("attnx_fraction_of_fma_peak")
         cells.append(f"{100 * fma:.0f}%" if fma is not None else "-")
+        if beside:
+            cells.append(fmt_us(r["libs"].get("attnx_float32", {"status": "-"})))
+            ratio = r.get("default_vs_bfloat16_per_round")
+            cells.append(f"{ratio:.2f}" if ratio else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -46,14 +46,15 @@ def usable_isas():
     return [isa for isa in ISAS[: ISAS.index(cfg["cpu_isa"]) + 1] if isa in cfg["kernels"]]
 
 
-def run_under_isa(isa: str, script: str, *args: str, timeout: float = 600) -> dict:
+def run_under_isa(isa: str, script: str, *args: str, timeout: float = 600, env: dict | None = None) -> dict:
     """Runs `script` in a subprocess with ATTNX_ISA=isa (the kernel is chosen once, at import)
-    and returns the JSON object its last line of output prints; its `isa` must be `isa`."""
+    and the variables `env`, and returns the JSON object its last line of output prints; its
+    `isa` must be `isa`."""
     import json
     import subprocess
     import sys
 
-    env = dict(os.environ, ATTNX_ISA=isa)
+    env = dict(os.environ, ATTNX_ISA=isa, **(env or {}))
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
     # A negative rc is a signal: SIGSEGV (-11) most likely means a read outside an array.

@@ -130,8 +130,12 @@ def test_tables_this_cpu_runs():
     cfg = attnx.show_config()
     levels = ALL_TABLES[: ALL_TABLES.index(cfg["cpu_isa"]) + 1]
     assert TABLES[: len(levels)] == [t for t in levels if t in cfg["kernels"]]
-    if "ATTNX_ISA" not in os.environ:
-        assert ("native" in TABLES) == (cfg["precisions"]["bfloat16"] == "avx512_bf16")
+    if "ATTNX_ISA" not in os.environ and "ATTNX_BF16_PRODUCTS" not in os.environ:
+        # The native table runs the products where it makes more of them per second than the
+        # float32 multiply-adds (a probe decides); else the float kernels multiply rounded operands.
+        bf16 = cfg["precisions"]["bfloat16"]
+        assert bf16 in (("avx512_bf16", "avx512 (float32 products)") if "native" in TABLES
+                        else (f"{cfg['isa']} (float32 products)",))
 
 
 def test_unknown_or_missing_table_raises():
@@ -395,8 +399,8 @@ def test_gemm_checks_its_arguments():
 CONFIG_SCRIPT = "import json, attnx; print(json.dumps(attnx.show_config()))"
 
 
-def config_under(isa):
-    env = dict(os.environ, ATTNX_ISA=isa)
+def config_under(isa, products="pairs"):
+    env = dict(os.environ, ATTNX_ISA=isa, ATTNX_BF16_PRODUCTS=products)
     return subprocess.run([sys.executable, "-c", CONFIG_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -405,8 +409,25 @@ def test_show_config_names_each_precisions_kernel():
     cfg = attnx.show_config()
     precisions = cfg["precisions"]
     assert precisions["float32"] == precisions["float64"] == cfg["isa"]
-    expected = "avx512_bf16" if precisions["bfloat16"] == "avx512_bf16" else f"{cfg['isa']} (emulated)"
-    assert precisions["bfloat16"] == expected
+    named = ("avx512_bf16", f"{cfg['isa']} (float32 products)", f"{cfg['isa']} (emulated)")
+    assert precisions["bfloat16"] in named
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "avx512_bf16"])
+def test_float_products_run_on_each_levels_float_kernels(isa):
+    proc = config_under(isa, "float")
+    if {"avx512_bf16": "native"}.get(isa, isa) not in TABLES:
+        assert proc.returncode != 0
+        return
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert cfg["precisions"]["bfloat16"] == f"{cfg['isa']} (float32 products)"
+
+
+def test_unknown_bf16_products_raises_naming_the_choices():
+    proc = config_under("scalar", " Pears ")
+    assert proc.returncode != 0
+    assert "ATTNX_BF16_PRODUCTS=' Pears ' is not known; use pairs or float" in proc.stderr
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "avx512_bf16"])
@@ -426,6 +447,12 @@ def test_attnx_isa_picks_the_bfloat16_table(isa):
 
 
 def test_best_level_runs_the_native_table_where_the_cpu_has_it():
-    if "ATTNX_ISA" in os.environ:
-        pytest.skip("ATTNX_ISA is set")
-    assert (_core.precision_kernels()["bfloat16"] == "avx512_bf16") == ("native" in TABLES)
+    # ... and where its vdpbf16ps makes more products per second than the float32 multiply-adds
+    # (a probe decides): else the float kernels multiply the rounded operands.
+    if "ATTNX_ISA" in os.environ or "ATTNX_BF16_PRODUCTS" in os.environ:
+        pytest.skip("ATTNX_ISA or ATTNX_BF16_PRODUCTS is set")
+    bf16 = _core.precision_kernels()["bfloat16"]
+    if "native" not in TABLES:
+        assert bf16 == f"{_core.active_isa()} (float32 products)"
+    else:
+        assert bf16 in ("avx512_bf16", "avx512 (float32 products)")

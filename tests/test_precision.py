@@ -570,26 +570,25 @@ def test_decoding_error_against_float64_per_cache_and_precision(cache_dtype, pre
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8"])
-def test_decoding_takes_a_16bit_or_int8_cache_as_stored(cache_dtype):
+def test_decoding_rounds_a_float32_cache_as_it_reads_it(cache_dtype):
     # One key and scale 1: the probability is 1, exact, so the output is the value row as the
-    # products take it. Decoding reads the cache in place: a float32 element is rounded to
-    # bfloat16 as it is read, a float16 one is an operand as it is (its products with bfloat16
-    # values are exact in float32), a bfloat16 one is already rounded, and an int8 row is its
-    # integers times its float32 scale.
+    # products take it. Decoding reads the cache in place and rounds a float32 element to
+    # bfloat16 as it loads it; a float16 one is multiplied as stored (its products with bfloat16
+    # values are exact in float32), a bfloat16 one is rounded already, and an int8 row is its
+    # integers (bfloat16 values) times its float32 scale.
     dtype = _cache_dtype(cache_dtype)
     rng = np.random.default_rng(20)
     cache = attnx.KVCache(1, 1, 4, 16, dtype)
-    k, v = f32(rng, (1, 1, 1, 16)), f32(rng, (1, 1, 1, 16))
-    cache.append(k, v)
+    cache.append(f32(rng, (1, 1, 1, 16)), f32(rng, (1, 1, 1, 16)))
     q = f32(rng, (1, 2, 1, 16))
     got = attnx.cached_attention(q, cache, scale=1.0, precision=BF16)
     _, stored, _ = cache.storage()
     stored = _stored(cache, stored, "value_scales")[:, :, :1].astype(np.float32)
+    if cache_dtype in ("float32", "float16"):  # values that rounding changes
+        assert not np.array_equal(reference._round_bfloat16(stored), stored)
     if cache_dtype == "float32":
         stored = reference._round_bfloat16(stored)
     assert_identical(got, np.broadcast_to(stored, got.shape).astype(np.float32))
-    if cache_dtype == "float16":  # not rounded to bfloat16 on the way
-        assert not np.array_equal(got, np.broadcast_to(reference._round_bfloat16(stored), got.shape))
 
 
 def test_cached_attention_refuses_bfloat16_with_a_float64_cache():
@@ -779,7 +778,7 @@ def test_results_do_not_depend_on_the_thread_count(threads):
 
 KERNEL_BATTERY = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     import numpy as np
     import attnx
     from attnx import reference
@@ -814,7 +813,10 @@ KERNEL_BATTERY = textwrap.dedent(
             record(kind, got, want, exact)
     config = attnx.show_config()
     bf16 = config["precisions"]["bfloat16"]
-    print(json.dumps({"isa": "avx512_bf16" if bf16 == "avx512_bf16" else config["isa"], "bf16": bf16, "worst": worst}))
+    # The avx512_bf16 level runs the avx512 float kernels (and its own bfloat16 table).
+    requested = os.environ["ATTNX_ISA"]
+    level = requested if requested == "avx512_bf16" and config["isa"] == "avx512" else config["isa"]
+    print(json.dumps({"isa": level, "bf16": bf16, "worst": worst}))
     """
 )
 
@@ -830,10 +832,12 @@ def _cpu_flags() -> set:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("products", ["pairs", "float"])
 @pytest.mark.parametrize("isa", PRECISION_ISAS)
-def test_every_kernel_within_the_bounds(isa):
+def test_every_kernel_within_the_bounds(isa, products):
     # avx512_bf16 is the AVX-512 float kernels with AVX512_BF16's vdpbf16ps; the others emulate
-    # the bfloat16 products with float32 multiply-adds.
+    # vdpbf16ps's arithmetic with float32 multiply-adds (ATTNX_BF16_PRODUCTS=pairs), or every
+    # level multiplies the rounded operands with its float32 kernels (=float).
     config = attnx.show_config()
     float_isa = "avx512" if isa == "avx512_bf16" else isa
     if ISAS.index(float_isa) > ISAS.index(config["cpu_isa"]):
@@ -841,8 +845,11 @@ def test_every_kernel_within_the_bounds(isa):
     if isa == "avx512_bf16" and "avx512_bf16" not in _cpu_flags():
         pytest.skip("this CPU has no AVX512_BF16")
     assert float_isa in config["kernels"], config
-    result = run_under_isa(isa, KERNEL_BATTERY)
-    assert result["bf16"] == ("avx512_bf16" if isa == "avx512_bf16" else f"{isa} (emulated)"), result
+    result = run_under_isa(isa, KERNEL_BATTERY, env={"ATTNX_BF16_PRODUCTS": products})
+    if products == "float":
+        assert result["bf16"] == f"{float_isa} (float32 products)", result
+    else:
+        assert result["bf16"] == ("avx512_bf16" if isa == "avx512_bf16" else f"{isa} (emulated)"), result
     worst = result["worst"]
     for kind, (near, far) in worst.items():
         assert near <= REF_BOUND[kind], (isa, kind, near)

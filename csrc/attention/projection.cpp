@@ -133,6 +133,24 @@ void linear_bf16(const StridedView<const float, 3>& x, const RowMajorView<const 
   const int64_t rows = N * L, pairs = packed->pairs, width = packed->width;
   const int nthreads = threads_for(double(rows) * double(in) * double(out));
 
+  if (packed->rounded) {
+    // float32 products: x's rows rounded into a copy, then the float32 form
+    // on the rounded operands.
+    const CacheLineArray<float> x_rounded = cache_line_array<float>(size_t(rows * in));
+    parallel_for(rows, threads_for(kTransposeWork * double(rows) * double(in)),
+                 [&](int64_t r) {
+                   float* dst = x_rounded.get() + r * in;
+                   std::copy_n(x.at(r / L, r % L), in, dst);
+                   kt16.round_in_place(dst, in);
+                 });
+    StridedView<const float, 3> xr;
+    xr.data = x_rounded.get();
+    xr.shape[0] = N, xr.shape[1] = L, xr.shape[2] = in;
+    xr.stride[0] = L * in, xr.stride[1] = in, xr.stride[2] = 1;
+    linear_forward(xr, packed->rounded_rows(), bias, y, act);
+    return;
+  }
+
   // x's rows as pairs, zero past `in`.
   const CacheLineArray<uint32_t> x_pairs = cache_line_array<uint32_t>(size_t(rows * pairs));
   parallel_for(rows, threads_for(kTransposeWork * double(rows) * double(in)),
@@ -181,6 +199,15 @@ Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w) {
   const Bf16KernelTable& kt16 = active_bf16_kernels();
   Bf16Weights packed;
   packed.rows = w.rows, packed.cols = w.cols;
+  if (bf16_products() == Bf16Products::kFloat) {
+    packed.rounded = cache_line_array<float>(size_t(std::max<int64_t>(1, w.rows * w.cols)));
+    parallel_for(w.rows, threads_for(double(w.rows) * double(w.cols) * 8), [&](int64_t r) {
+      float* dst = packed.rounded.get() + r * w.cols;
+      std::copy_n(w.row(r), w.cols, dst);
+      kt16.round_in_place(dst, w.cols);
+    });
+    return packed;
+  }
   packed.width = kt16.wide_panel_width;
   packed.pairs = (w.cols + 1) / 2;
   const int64_t panels = (w.rows + packed.width - 1) / packed.width;

@@ -13,14 +13,19 @@ namespace attnx {
 
 // A weight matrix w (rows x cols) packed for bfloat16 products: w^T rounded
 // and laid out as pairs along cols, in panels of the bfloat16 table's panel
-// width (zero past the last row of w).
+// width (zero past the last row of w), where the products run as pairs;
+// else w rounded, as float32 rows (Bf16Products).
 struct Bf16Weights {
   CacheLineArray<uint32_t> data;
+  CacheLineArray<float> rounded;  // rows x cols, rows cols apart (float32 products)
   int64_t rows = 0, cols = 0;
   int64_t width = 0;  // columns of w^T per panel
   int64_t pairs = 0;  // (cols + 1) / 2: rows of a panel
 
   const uint32_t* panel(int64_t p) const { return data.get() + p * pairs * width; }
+  RowMajorView<const float> rounded_rows() const {
+    return RowMajorView<const float>{rounded.get(), rows, cols, cols};
+  }
 };
 
 Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w);

@@ -81,6 +81,37 @@ CacheLineArray<uint16_t> rounded_rows(const SdpaArgs<float>& a, const StoredView
   return copy;
 }
 
+// v's rows rounded to bfloat16, as float32 values, as a (B', H', S, D) copy
+// (B', H': 1 where v is broadcast) that `view` reads as v's shape: the
+// operands of float32 products on the tile path, which then reads them as it
+// reads float32 keys and values (no block widened again for each tile).
+CacheLineArray<float> rounded_float_rows(const SdpaArgs<float>& a, const StoredView<float>& v,
+                                         const KernelTable<float>& kt,
+                                         const Bf16KernelTable& kt16,
+                                         StridedView<const float, 4>& view) {
+  const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
+  const int64_t S = v.shape(2), D = v.shape(3);
+  CacheLineArray<float> copy = cache_line_array<float>(size_t(std::max<int64_t>(1, Bx * Hx * S * D)));
+  float* data = copy.get();
+  for_float_blocks(a, v, kt, [&](int64_t bh, int64_t j0, int64_t n, int64_t have,
+                                 const float* rows, int64_t ldr) {
+    for (int64_t j = 0; j < have; ++j) {
+      float* dst = data + (bh * S + j0 + j) * D;
+      std::copy_n(rows + j * ldr, D, dst);
+      kt16.round_in_place(dst, D);
+    }
+    std::fill(data + (bh * S + j0 + have) * D, data + (bh * S + j0 + n) * D, 0.0f);
+  });
+  view = StridedView<const float, 4>{};
+  view.data = data;
+  for (int d = 0; d < 4; ++d) view.shape[d] = v.shape(d);
+  view.stride[0] = Bx == 1 ? 0 : Hx * S * D;
+  view.stride[1] = Hx == 1 ? 0 : S * D;
+  view.stride[2] = D;
+  view.stride[3] = 1;
+  return copy;
+}
+
 // Whether bfloat16 keys can be read in place as pairs: rows of an even
 // length, each starting on 4 bytes.
 bool pairs_in_place(const StoredView<float>& k) {
@@ -131,12 +162,24 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, SdpaPa
   ops.kt16 = &kt16;
   a16 = a;
   const int64_t E = a.query.shape[3];
-  const bool tile_path = path == SdpaPath::kTiles;
-  // Queries: the tile path rounds round(scale * q) as it packs a tile;
-  // the others read a copy of them, whose scale is then 1.
+  // The tile path multiplies pairs (Bf16Products::kPairs), or float32 rows
+  // of rounded operands as the other paths do.
+  const bool tile_path = path == SdpaPath::kTiles && bf16_products() == Bf16Products::kPairs;
+  ops.as_pairs = tile_path;
+  // Queries: the pairs' tile path rounds round(scale * q) as it packs a
+  // tile; the others read a copy of them, whose scale is then 1.
   if (!tile_path) round_queries(a, kt, kt16, ops, a16);
   // The row path reads the keys and values where they are (flash_rows).
   if (path == SdpaPath::kRows) return;
+  if (path == SdpaPath::kTiles && !tile_path) {
+    // float32 products on the tile path: float32 rows of rounded operands.
+    StridedView<const float, 4> view;
+    ops.float_keys = rounded_float_rows(a, a.key, kt, kt16, view);
+    a16.key = StoredView<float>::of(view);
+    ops.float_values = rounded_float_rows(a, a.value, kt, kt16, view);
+    a16.value = StoredView<float>::of(view);
+    return;
+  }
 
   // Keys: bfloat16 rows of an even length.
   if (!pairs_in_place(a.key)) {

@@ -3,7 +3,7 @@
 // per call, before any path reads them.
 //
 //   queries   round(query_scale * q): as the tile path packs each tile, or
-//             for the row paths a float32 copy (the call's scale then 1)
+//             for the other paths a float32 copy (the call's scale then 1)
 //   keys      bfloat16 rows with an even row stride: read in place where the
 //             caller's keys are such rows, else rounded into a copy; the tile
 //             path multiplies them as pairs along the head dim, the weights
@@ -13,15 +13,20 @@
 //   P         rounded where each path multiplies it (the tile path packs it
 //             into pairs; the row paths round it in place)
 //
+// That is the tile path where the products run as pairs (Bf16Products::
+// kPairs); where they run as float32 multiply-adds, it reads float32 copies
+// of the rounded keys, values and queries as it reads float32 operands, and
+// rounds P in place.
+//
 // The row path without weights (decoding) copies neither keys nor values:
-// it reads the cache in place on every call, float32 rows rounded to
-// bfloat16 in registers as they are read, and float16, bfloat16 and int8
-// rows taken as stored. Their elements are then the operands: a bfloat16
-// or int8 element is a bfloat16 value (int8 rows' scales multiply in
-// float32), and a float16 one has more significand bits, so that its
-// products with the rounded queries and probabilities are exact in
-// float32 as well; rounding it too would cost that path time and gain no
-// speed anywhere.
+// it reads them in place on every call, with the bfloat16 table's row
+// kernels, which round float32 elements as they load them and take 16-bit
+// and int8 ones as stored: a bfloat16 or int8 element is a bfloat16 value
+// (an int8 row's scale multiplies in float32), and a float16 one, whose 11
+// significand bits make its products with bfloat16 values exact in float32
+// as well, is multiplied as it is (rounding it as it is loaded cost a
+// float16 step 1.4x its time; rounding a cache into a copy on each call
+// cost a step up to ten times its time).
 //
 // Broadcast batch or head axes stay broadcast in the copies.
 #pragma once
@@ -38,8 +43,12 @@ namespace attnx::sdpa {
 
 struct Bf16Operands {
   const Bf16KernelTable* kt16 = nullptr;
+  // The tile path's products as pairs (Bf16Products::kPairs: its operands
+  // below); else every path multiplies float32 rows of rounded operands.
+  bool as_pairs = false;
   CacheLineArray<float> queries;
   CacheLineArray<uint16_t> keys, values;  // copies where needed
+  CacheLineArray<float> float_keys, float_values;  // the tile path's, for float32 products
   // Value pairs (B', Hk', S2, Ev), S2 = ceil(S / 2): pair p of column d is
   // the values of keys 2p and 2p + 1 (0 past the last key).
   CacheLineArray<uint32_t> pairs;

@@ -91,7 +91,8 @@ SdpaShape describe(const SdpaArgs<T>& a) {
 // The plan of a call as described.
 template <typename T>
 SdpaPlan plan_of(const SdpaShape& call, const KernelTable<T>& kt) {
-  return plan_sdpa(call, KernelFacts{kt.query_tile, kt.vector_width},
+  const bool pairs = call.bf16_products && bf16_products() == Bf16Products::kPairs;
+  return plan_sdpa(call, KernelFacts{kt.query_tile, kt.vector_width, pairs},
                    threads_for(sdpa_work(call)));
 }
 

@@ -67,12 +67,16 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
     return std::make_pair(double(S_read) * double(cols) * element, heads);
   };
   // With bfloat16 products the tile path reads bfloat16 keys and value
-  // pairs, whatever the call stores.
+  // pairs, or float32 copies of them, whatever the call stores.
   StoredShape keys_read = call.keys, values_read = call.values;
   if (tiled && call.bf16_products) {
-    keys_read.element_size = values_read.element_size = 2;
-    keys_read.native = values_read.native = false;
+    keys_read.element_size = values_read.element_size = kernel.bf16_pairs ? 2 : 4;
+    keys_read.native = values_read.native = !kernel.bf16_pairs;
   }
+  // (The float32 copies' rows start on cache lines where whole lines hold them.)
+  const bool values_on_lines = tiled && call.bf16_products && !kernel.bf16_pairs
+                                   ? Ev * int64_t(sizeof(T)) % 64 == 0
+                                   : call.values_on_lines;
   const auto [key_head_bytes, key_heads] = head_bytes_and_count(keys_read, E);
   const auto [value_head_bytes, value_heads] = head_bytes_and_count(values_read, Ev);
   const double head_bytes = key_head_bytes + value_head_bytes;
@@ -87,7 +91,7 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
       tiled && values_read.native && !ask_ahead &&
       q_blocks >= min_tiles_to_align<T>(kernel.vector_width) &&
       values_copy_bytes <= kAlignedValuesMaxBytes &&
-      values_copy_bytes * nthreads <= kAlignedValuesMaxCallBytes && !call.values_on_lines &&
+      values_copy_bytes * nthreads <= kAlignedValuesMaxCallBytes && !values_on_lines &&
       !call.packed;  // a packed batch's rows past its keys are another's
   const size_t values_copy_size = align_values ? size_t(S * values_ld) + 64 / sizeof(T) : 0;
   const int qt = kernel.query_tile;
@@ -117,7 +121,7 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
   plan.L = L;
   // With masks, most query tiles close a key in most blocks, and each then
   // checks that block's values (see visit_flash_chunk): the checks are made once.
-  plan.finite_values = tiled && call.masks && call.values.native;
+  plan.finite_values = tiled && call.masks && values_read.native;
   plan.mask_blocks = call.masks && (tiled || weights_tiled);
   return plan;
 }

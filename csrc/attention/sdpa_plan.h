@@ -36,7 +36,8 @@ struct SdpaShape {
   double pairs = 0;            // packed: sum over batches of qlen * klen
   bool weights = false;        // the probabilities are wanted
   // Products of bfloat16 operands (Precision::kBFloat16; see sdpa_bf16.h):
-  // the tile path reads the keys and the values as bfloat16 pairs.
+  // the tile path reads the keys and the values as bfloat16 pairs, or as
+  // float32 copies (KernelFacts::bf16_pairs).
   bool bf16_products = false;
   bool values_on_lines = true; // the value rows of (0, 0) start on cache lines
 };
@@ -45,6 +46,7 @@ struct SdpaShape {
 struct KernelFacts {
   int query_tile = 16;   // queries per flash tile
   int vector_width = 8;  // lanes of one vector
+  bool bf16_pairs = true;  // bfloat16 products as pairs (Bf16Products::kPairs)
 };
 
 enum class SdpaPath {

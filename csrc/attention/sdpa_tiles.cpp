@@ -118,17 +118,20 @@ bool begin_flash_tile(const SdpaContext<T>& c, int64_t b, int64_t h, int64_t i0,
   // Pack the scaled query tile, transposed; lanes past the last query are 0.
   // With bfloat16 products, as pairs along the head dim, in the same buffer.
   prefetch_rows(a.query.at(b, h, i0), a.query.stride[2], rows, E * int64_t(sizeof(T)));
+  const bool pairs = c.bf16 && c.bf16->as_pairs;
   if constexpr (std::is_same_v<T, float>) {
-    if (c.bf16) {
+    if (pairs) {
       uint32_t* q_pairs = reinterpret_cast<uint32_t*>(t.q_t);
       std::fill_n(q_pairs, (E + 1) / 2 * qt, uint32_t(0));
       c.bf16->kt16->pack_pairs(a.query.at(b, h, i0), 1, a.query.stride[2], E, rows, a.scale,
                                q_pairs, qt);
     }
   }
-  if (!c.bf16)
-    kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E, a.query_scale(), t.q_t,
-                       qt);
+  // The rounded queries of float32 products carry their scale (1): the
+  // soft cap divides the scores, as with pairs.
+  if (!pairs)
+    kt.pack_transposed(a.query.at(b, h, i0), a.query.stride[2], rows, E,
+                       c.bf16 ? a.scale : a.query_scale(), t.q_t, qt);
   std::fill(t.m, t.m + qt, kNegInf<T>);
   t.have_total = false;
 
@@ -270,6 +273,7 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
   T* o = t.o;
   T* l = t.l;
   T* m = t.m;
+  const bool pairs = c.bf16 && c.bf16->as_pairs;
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
   RowReader<T> values = row_reader(a.value, kt, b, kv_head);
   if (aligned_values) values.native = aligned_values->data, values.ld = aligned_values->ld;
@@ -289,7 +293,7 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     if (mask_block == MaskBlock::kClosed) continue;
     // (1) scores
     int64_t ldk, ldv;
-    if (c.bf16) {
+    if (pairs) {
       bf16_scores(c, t, kv_head, start, n, st);
     } else if (__builtin_expect(keys.blocks && !keys.stored(), 0)) {
       paged_scores(kt, keys, t, start, n, E, st);
@@ -318,24 +322,27 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     // carry a NaN in its value into this row: where keys were closed and
     // the values are not all finite, accumulate row by row, key by key
     // (see accumulate_values).
-    if (c.bf16 && bf16_values(c, t, kv_head, start, n, any_closed, first_block, alpha, st,
-                              mask_scratch, v_buf)) {
+    if (pairs && bf16_values(c, t, kv_head, start, n, any_closed, first_block, alpha, st,
+                             mask_scratch, v_buf)) {
       first_block = false;
       continue;
     }
+    // float32 products of rounded operands: the probabilities rounded here
+    // (the values are bfloat16 rows).
+    if (c.bf16 && !pairs) round_operands(c, st, n * qt);
     if (__builtin_expect(!c.bf16 && !any_closed && values.blocks && !values.stored(), 0)) {
       paged_values(kt, values, rows, start, n, Ev, qt, st, first_block, alpha, o);
       first_block = false;
       continue;
     }
     const T* vb = values.rows(start, n, v_buf, ldv);
-    if (c.bf16) vb = bf16_rounded_rows(c, vb, ldv, n, Ev, v_buf), ldv = Ev;
+    if (pairs) vb = bf16_rounded_rows(c, vb, ldv, n, Ev, v_buf), ldv = Ev;
     const auto values_finite = [&](int64_t j0, int64_t count) {
       return finite_values.all(b, kv_head, j0, count, [&] {
         return rows_finite(kt, vb + (j0 - start) * ldv, ldv, count, Ev);
       });
     };
-    if (!c.bf16 && (!any_closed || t.masks.closed_values_finite(a, start, n, values_finite))) {
+    if (!pairs && (!any_closed || t.masks.closed_values_finite(a, start, n, values_finite))) {
       const GemmInit init = first_block ? GemmInit::kZero : GemmInit::kScaleRows;
       if (ask_ahead && start + n < S) {
         LineRange key_lines =

@@ -27,11 +27,15 @@ void register_runtime(py::module_& m) {
     py::dict kernels;
     kernels["float32"] = floats;
     kernels["float64"] = floats;
-    kernels["bfloat16"] =
-        bf16.native ? std::string("avx512_bf16") : std::string(isa_name(bf16.isa)) + " (emulated)";
+    kernels["bfloat16"] = bf16_products() == Bf16Products::kFloat
+                              ? floats + " (float32 products)"
+                          : bf16.native ? std::string("avx512_bf16")
+                                        : std::string(isa_name(bf16.isa)) + " (emulated)";
     return kernels;
   }, "The kernels of each precision's products: the float kernels' instruction set, and for "
-     "bfloat16 'avx512_bf16' (vdpbf16ps) or '<isa> (emulated)'.");
+     "bfloat16 'avx512_bf16' (vdpbf16ps), '<isa> (float32 products)' (float32 multiply-adds of "
+     "the rounded operands) or '<isa> (emulated)' (vdpbf16ps's arithmetic, with "
+     "ATTNX_BF16_PRODUCTS=pairs).");
   m.def("get_num_threads", &get_num_threads);
   m.def(
       "set_num_threads",

@@ -57,15 +57,34 @@ struct Bf16KernelTable {
                     int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                     GemmInit init, const float* init_values);
 
-  // The row path's products (decoding, sdpa_rows.cpp) from float32 rows
-  // rounded to bfloat16 as they are read, with this table's rounding: the
-  // float32 row kernels' scores_listed and accumulate_pv_listed over listed
-  // rows (KernelTable), the same sums on the rounded elements.
-  void (*scores_rounded)(const float* const* q, int rows, const float* const* k, int64_t n_keys,
-                         int64_t listed, int64_t dim, float scale, float* const* dst);
-  void (*accumulate_pv_rounded)(const float* const* p, int rows, const float* const* v,
-                                int64_t n_keys, int64_t listed, int64_t dim, float* const* acc);
+  // The row path's products (decoding, sdpa_rows.cpp): the float32 table's
+  // scores_listed and accumulate_pv_listed (KernelTable), the same sums,
+  // with float32 elements rounded to bfloat16 as they are loaded, by this
+  // table's rounding (16-bit and int8 elements taken as stored).
+  void (*scores_listed)(const float* const* q, int rows, const void* const* k,
+                        const float* scales, int stored, int64_t n_keys, int64_t listed,
+                        int64_t dim, float scale, float* const* dst);
+  void (*accumulate_pv_listed)(const float* const* p, int rows, const void* const* v,
+                               const float* scales, int stored, int64_t n_keys, int64_t listed,
+                               int64_t dim, float* const* acc);
+
+  // The native table's peak: kFmaProbeChains chains of vdpbf16ps held in
+  // registers, `iterations` steps each (two products a lane a step), as the
+  // float tables' fma_probe; null in the emulated tables.
+  float (*dot_probe)(int64_t iterations);
 };
+
+// How the products of precision "bfloat16" run (decided once, on first use):
+// as pairs on vdpbf16ps (the native table's gemm), where this CPU's
+// instruction makes more products per second than its float32 multiply-adds
+// (by kPairsPayRatio), or else as float32 multiply-adds of the rounded
+// operands, on the float kernels: the emulation of the pairs costs two
+// multiply-adds a pair and more, and some CPUs run vdpbf16ps at half the
+// multiply-add rate (docs/tuning.md). ATTNX_BF16_PRODUCTS=pairs or =float
+// sets it (pairs: on the active bfloat16 table, emulated or not).
+enum class Bf16Products { kPairs, kFloat };
+Bf16Products bf16_products();
+constexpr double kPairsPayRatio = 1.25;
 
 const Bf16KernelTable& scalar_bf16_kernels();
 #if defined(ATTNX_HAVE_X86_KERNELS)

@@ -168,17 +168,40 @@ struct Bf16Kernels {
         M, N, K2, a, a_row, a_col, b, ldb, c, ldc, init, init_values);
   }
 
-  // The float32 row kernels with this table's rounding (round_vector).
-  struct RoundingVec : Vec {
-    static V round_bf16(V x) { return round_vector(x); }
+  // kFmaProbeChains chains of vdpbf16ps (Bf16KernelTable::dot_probe).
+  static float dot_probe(int64_t iterations) {
+    if constexpr (kNative) {
+      V acc[kFmaProbeChains];
+      for (int c = 0; c < kFmaProbeChains; ++c) acc[c] = Vec::set1(float(c));
+      // acc += 2^-10 (2^-10 + 2^-10): no overflow, no subnormals.
+      const V a = Vec::set1_pair(0x3a803a80u);
+      for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+        for (int c = 0; c < kFmaProbeChains; ++c) acc[c] = Vec::dot_pairs(a, a, acc[c]);
+      }
+      V sum = acc[0];
+      for (int c = 1; c < kFmaProbeChains; ++c) sum = Vec::add(sum, acc[c]);
+      return Vec::reduce_add(sum);
+    } else {
+      return float(iterations);
+    }
+  }
+
+  // The float32 row kernels over keys and values whose float32 elements
+  // are rounded as they are loaded (16-bit and int8 ones are taken as
+  // stored: see attention/sdpa_bf16.h).
+  struct RoundingLoads : Vec {
+    static V load(const float* p) { return round_vector(Vec::load(p)); }
+    static V load_partial(const float* p, int n) { return round_vector(Vec::load_partial(p, n)); }
   };
-  using Rows = RowKernels<RoundingVec>;
+  using Rows = RowKernels<Vec, RoundingLoads>;
 
   static Bf16KernelTable table(const char* name, Isa isa) {
     return Bf16KernelTable{name,           isa,   kNative,    kVectors * W,
                            gemm,           round, round_in_place, pack_pairs,
                            kWideVectors * W, kNative ? gemm_wide : gemm,
-                           Rows::scores_rounded, Rows::accumulate_pv_rounded};
+                           Rows::scores_listed, Rows::accumulate_pv_listed,
+                           kNative ? dot_probe : nullptr};
   }
 };
 

@@ -22,7 +22,9 @@ struct HasReduce4x4 : std::false_type {};
 template <class Vec>
 struct HasReduce4x4<Vec, std::void_t<decltype(&Vec::reduce_add4x4)>> : std::true_type {};
 
-template <class Vec>
+// Loads: what loads the stored keys and values (Vec, or a type that rounds
+// them as it loads them: bf16_kernels.h).
+template <class Vec, class Loads = Vec>
 struct RowKernels {
   using T = typename Vec::T;
   using V = typename Vec::V;
@@ -43,34 +45,28 @@ struct RowKernels {
   // Loads of stored elements as vectors of T: T itself, 16-bit floats
   // (float16, bfloat16) or int8 widened on the way in. An int8 row's scale
   // is applied to what the row is multiplied with (see scaled).
-  // kRounded: T rows rounded to bfloat16 as they are read (the operands of
-  // bfloat16 products, taken from a float32 cache without a copy of it).
-  enum class Stored { kNative, kFloat16, kBfloat16, kInt8, kRounded };
+  enum class Stored { kNative, kFloat16, kBfloat16, kInt8 };
   template <Stored kSrc, typename P>
   static V load_stored(const P* p) {
-    if constexpr (kSrc == Stored::kRounded)
-      return Vec::round_bf16(Vec::load(p));
-    else if constexpr (kSrc == Stored::kInt8)
-      return Vec::load_widen_i8(p);
+    if constexpr (kSrc == Stored::kInt8)
+      return Loads::load_widen_i8(p);
     else if constexpr (kSrc == Stored::kFloat16)
-      return Vec::load_widen_f16(p);
+      return Loads::load_widen_f16(p);
     else if constexpr (kSrc == Stored::kBfloat16)
-      return Vec::load_bf16_operand(p);
+      return Loads::load_bf16_operand(p);
     else
-      return Vec::load(p);
+      return Loads::load(p);
   }
   template <Stored kSrc, typename P>
   static V load_stored_partial(const P* p, int n) {
-    if constexpr (kSrc == Stored::kRounded)
-      return Vec::round_bf16(Vec::load_partial(p, n));
-    else if constexpr (kSrc == Stored::kInt8)
-      return Vec::load_widen_i8_partial(p, n);
+    if constexpr (kSrc == Stored::kInt8)
+      return Loads::load_widen_i8_partial(p, n);
     else if constexpr (kSrc == Stored::kFloat16)
-      return Vec::load_widen_f16_partial(p, n);
+      return Loads::load_widen_f16_partial(p, n);
     else if constexpr (kSrc == Stored::kBfloat16)
-      return Vec::load_bf16_operand_partial(p, n);
+      return Loads::load_bf16_operand_partial(p, n);
     else
-      return Vec::load_partial(p, n);
+      return Loads::load_partial(p, n);
   }
 
   // x times row j's scale for int8 storage (row_scales[j]); x otherwise.
@@ -620,19 +616,6 @@ struct RowKernels {
     accumulate_pv_at<Stored::kNative, T>(p, rows,
                                          ListedRows<T>{reinterpret_cast<const T* const*>(v)},
                                          nullptr, n_keys, listed, dim, acc, true);
-  }
-
-  // scores_listed and accumulate_pv_listed over T rows rounded to bfloat16
-  // as they are read (Bf16KernelTable::scores_rounded).
-  static void scores_rounded(const T* const* q, int rows, const T* const* k, int64_t n_keys,
-                             int64_t listed, int64_t dim, T scale, T* const* dst) {
-    scores_at<Stored::kRounded, T>(q, rows, ListedRows<T>{k}, nullptr, n_keys, listed, dim, scale,
-                                   dst, true);
-  }
-  static void accumulate_pv_rounded(const T* const* p, int rows, const T* const* v,
-                                    int64_t n_keys, int64_t listed, int64_t dim, T* const* acc) {
-    accumulate_pv_at<Stored::kRounded, T>(p, rows, ListedRows<T>{v}, nullptr, n_keys, listed, dim,
-                                          acc, true);
   }
 };
 
