@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "attention/sdpa_common.h"
@@ -52,62 +53,39 @@ void for_float_blocks(const SdpaArgs<float>& a, const StoredView<float>& v,
 }
 
 // v's rows rounded to bfloat16, in rows of ld >= D elements (zero past D),
-// as a (B', H', S, ld) copy (B', H': 1 where v is broadcast); `view` is set
-// to read it as v's shape.
-CacheLineArray<uint16_t> rounded_rows(const SdpaArgs<float>& a, const StoredView<float>& v,
-                                      const KernelTable<float>& kt,
-                                      const Bf16KernelTable& kt16, int64_t ld,
-                                      StridedView<const uint16_t, 4>& view) {
+// as a (B', H', S, ld) copy (B', H': 1 where v is broadcast) of bfloat16
+// bits (E = uint16_t) or of float32 values (E = float: the operands of
+// float32 products on the tile path, which then reads them as it reads
+// float32 keys and values, no block widened again for each tile); `view`
+// is set to read it as v's shape.
+template <typename E>
+CacheLineArray<E> rounded_rows(const SdpaArgs<float>& a, const StoredView<float>& v,
+                               const KernelTable<float>& kt, const Bf16KernelTable& kt16,
+                               int64_t ld, StridedView<const E, 4>& view) {
   const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
   const int64_t S = v.shape(2), D = v.shape(3);
-  CacheLineArray<uint16_t> copy = cache_line_array<uint16_t>(size_t(std::max<int64_t>(1, Bx * Hx * S * ld)));
-  uint16_t* data = copy.get();
+  CacheLineArray<E> copy = cache_line_array<E>(size_t(std::max<int64_t>(1, Bx * Hx * S * ld)));
+  E* data = copy.get();
   for_float_blocks(a, v, kt, [&](int64_t bh, int64_t j0, int64_t n, int64_t have,
                                  const float* rows, int64_t ldr) {
     for (int64_t j = 0; j < have; ++j) {
-      uint16_t* dst = data + (bh * S + j0 + j) * ld;
-      kt16.round(rows + j * ldr, D, dst);
-      std::fill(dst + D, dst + ld, uint16_t(0));
+      E* dst = data + (bh * S + j0 + j) * ld;
+      if constexpr (std::is_same_v<E, float>) {
+        std::copy_n(rows + j * ldr, D, dst);
+        kt16.round_in_place(dst, D);
+      } else {
+        kt16.round(rows + j * ldr, D, dst);
+      }
+      std::fill(dst + D, dst + ld, E(0));
     }
-    std::fill(data + (bh * S + j0 + have) * ld, data + (bh * S + j0 + n) * ld, uint16_t(0));
+    std::fill(data + (bh * S + j0 + have) * ld, data + (bh * S + j0 + n) * ld, E(0));
   });
-  view = StridedView<const uint16_t, 4>{};
+  view = StridedView<const E, 4>{};
   view.data = data;
   for (int d = 0; d < 4; ++d) view.shape[d] = v.shape(d);
   view.stride[0] = Bx == 1 ? 0 : Hx * S * ld;
   view.stride[1] = Hx == 1 ? 0 : S * ld;
   view.stride[2] = ld;
-  view.stride[3] = 1;
-  return copy;
-}
-
-// v's rows rounded to bfloat16, as float32 values, as a (B', H', S, D) copy
-// (B', H': 1 where v is broadcast) that `view` reads as v's shape: the
-// operands of float32 products on the tile path, which then reads them as it
-// reads float32 keys and values (no block widened again for each tile).
-CacheLineArray<float> rounded_float_rows(const SdpaArgs<float>& a, const StoredView<float>& v,
-                                         const KernelTable<float>& kt,
-                                         const Bf16KernelTable& kt16,
-                                         StridedView<const float, 4>& view) {
-  const int64_t Bx = distinct_extent(v, 0), Hx = distinct_extent(v, 1);
-  const int64_t S = v.shape(2), D = v.shape(3);
-  CacheLineArray<float> copy = cache_line_array<float>(size_t(std::max<int64_t>(1, Bx * Hx * S * D)));
-  float* data = copy.get();
-  for_float_blocks(a, v, kt, [&](int64_t bh, int64_t j0, int64_t n, int64_t have,
-                                 const float* rows, int64_t ldr) {
-    for (int64_t j = 0; j < have; ++j) {
-      float* dst = data + (bh * S + j0 + j) * D;
-      std::copy_n(rows + j * ldr, D, dst);
-      kt16.round_in_place(dst, D);
-    }
-    std::fill(data + (bh * S + j0 + have) * D, data + (bh * S + j0 + n) * D, 0.0f);
-  });
-  view = StridedView<const float, 4>{};
-  view.data = data;
-  for (int d = 0; d < 4; ++d) view.shape[d] = v.shape(d);
-  view.stride[0] = Bx == 1 ? 0 : Hx * S * D;
-  view.stride[1] = Hx == 1 ? 0 : S * D;
-  view.stride[2] = D;
   view.stride[3] = 1;
   return copy;
 }
@@ -174,9 +152,9 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, SdpaPa
   if (path == SdpaPath::kTiles && !tile_path) {
     // float32 products on the tile path: float32 rows of rounded operands.
     StridedView<const float, 4> view;
-    ops.float_keys = rounded_float_rows(a, a.key, kt, kt16, view);
+    ops.float_keys = rounded_rows(a, a.key, kt, kt16, E, view);
     a16.key = StoredView<float>::of(view);
-    ops.float_values = rounded_float_rows(a, a.value, kt, kt16, view);
+    ops.float_values = rounded_rows(a, a.value, kt, kt16, a.value.shape(3), view);
     a16.value = StoredView<float>::of(view);
     return;
   }
