@@ -363,7 +363,10 @@ def test_the_documented_pool_holds_64_sequences_of_16_to_4096_tokens():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
 def test_bfloat16_products_equal_varlen_attention_over_the_same_keys(dtype):
     """precision="bfloat16" over the pool equals varlen attention over the stored keys and values
-    laid end to end: the same rounded operands, the same route."""
+    laid end to end: the same rounded operands, the same route. The step's one-row sequence is a
+    decoding row (the row path, as at the default precision), which multiplies a float16 or int8
+    cache's elements as stored, where varlen's rows round their float32 copies: there, one
+    bfloat16 rounding of the values apart."""
     rng = np.random.default_rng(7)
     cache = attnx.PagedKVCache(64, 16, 2, 32, storage_dtype(dtype))
     seqs = [cache.add_sequence() for _ in range(3)]
@@ -376,10 +379,35 @@ def test_bfloat16_products_equal_varlen_attention_over_the_same_keys(dtype):
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     expected = attnx.varlen_attention(q, np.concatenate(keys).astype(f32), np.concatenate(values).astype(f32), cu,
                                       is_causal="bottom_right", precision="bfloat16", window=(50, 0))
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    decoding = np.zeros(total, bool)
+    decoding[lens[0]] = True
+    np.testing.assert_allclose(out[~decoding], expected[~decoding], rtol=1e-5, atol=1e-5)
+    stored_as_is = dtype != "float32"
+    np.testing.assert_allclose(out[decoding], expected[decoding], rtol=0, atol=2**-8 * 3 if stored_as_is else 1e-5)
     exact = attnx.varlen_attention(q, np.concatenate(keys).astype(f32), np.concatenate(values).astype(f32), cu,
                                    is_causal="bottom_right", window=(50, 0))
     assert np.abs(out - exact).max() > 0  # the products were rounded
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_bfloat16_step_runs_its_decoding_rows_as_a_decoding_step(dtype):
+    """Where the products are float32 multiply-adds of rounded operands, a step of prefill chunks
+    and decoding rows reads the pool in place on both paths and runs each kind on its own path,
+    as at the default precision: its decoding rows have the bits of a step of those rows alone."""
+    if "float32 products" not in attnx.show_config()["precisions"]["bfloat16"]:
+        pytest.skip("the bfloat16 products run as vdpbf16ps pairs here: their tile path reads copies")
+    rng = np.random.default_rng(17)
+    cache = attnx.PagedKVCache(96, 16, 2, 32, storage_dtype(dtype))
+    seqs = [cache.add_sequence() for _ in range(3)]
+    for s, n in zip(seqs, (300, 45, 170)):
+        attnx.paged_attention(np.zeros((n, 4, 32), f32), cache, [s], [n], randn(rng, (n, 2, 32), f32),
+                              randn(rng, (n, 2, 32), f32))
+    q = randn(rng, (2 + 40, 4, 32), f32)
+    mixed = attnx.paged_attention(q, cache, seqs, [1, 1, 40], precision="bfloat16")
+    alone = attnx.paged_attention(q[:2], cache, seqs[:2], [1, 1], precision="bfloat16")
+    assert_identical(mixed[:2], alone)
+    chunk = attnx.paged_attention(q[2:], cache, seqs[2:], [40], precision="bfloat16")
+    assert_identical(mixed[2:], chunk)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

@@ -149,6 +149,11 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, SdpaPa
   if (!tile_path) round_queries(a, kt, kt16, ops, a16);
   // The row path reads the keys and values where they are (flash_rows).
   if (path == SdpaPath::kRows) return;
+  const bool paged = a.key.paged.present() || a.value.paged.present();
+  if (path == SdpaPath::kTiles && !tile_path && paged) {
+    ops.round_blocks = true;
+    return;
+  }
   if (path == SdpaPath::kTiles && !tile_path) {
     // float32 products on the tile path: float32 rows of rounded operands.
     StridedView<const float, 4> view;

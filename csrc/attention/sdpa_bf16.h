@@ -16,7 +16,8 @@
 // That is the tile path where the products run as pairs (Bf16Products::
 // kPairs); where they run as float32 multiply-adds, it reads float32 copies
 // of the rounded keys, values and queries as it reads float32 operands, and
-// rounds P in place.
+// rounds P in place; over a paged pool it reads the keys and values in
+// place and rounds each block into its buffers instead.
 //
 // The row path without weights (decoding) copies neither keys nor values:
 // it reads them in place on every call, with the bfloat16 table's row
@@ -46,6 +47,10 @@ struct Bf16Operands {
   // The tile path's products as pairs (Bf16Products::kPairs: its operands
   // below); else every path multiplies float32 rows of rounded operands.
   bool as_pairs = false;
+  // float32 products over a paged pool: the tile path reads the keys and
+  // values in place and rounds each block as it reads it (a copy of a pool's
+  // sequences could take more memory than the pool).
+  bool round_blocks = false;
   CacheLineArray<float> queries;
   CacheLineArray<uint16_t> keys, values;  // copies where needed
   CacheLineArray<float> float_keys, float_values;  // the tile path's, for float32 products

@@ -100,17 +100,28 @@ template <typename T>
 void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
                  const SdpaPlan& plan, const Bf16Operands* bf16);
 template <typename T>
-bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call);
+bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
+               const Bf16Operands* bf16);
 
 // A call with bfloat16 products: planned as the call it is (the planner
 // knows what each path then reads), and its operands rounded for the path
-// planned (into a16).
+// planned (into a16). A paged step whose products are float32 multiply-adds
+// reads the pool in place on either path (the tile path rounds each block
+// as it reads it): its operands serve both, and it splits as at the default
+// precision.
 static void sdpa_forward_bf16(const SdpaArgs<float>& args, const KernelTable<float>& kt) {
   SdpaShape call = describe(args);
   call.bf16_products = true;
-  const SdpaPlan plan = plan_of(call, kt);
   SdpaArgs<float> a16;
   Bf16Operands ops;
+  if (args.key.paged.present() && args.range.packed &&
+      bf16_products() == Bf16Products::kFloat) {
+    prepare_bf16(args, kt, SdpaPath::kTiles, ops, a16);
+    if (run_split(a16, kt, call, &ops)) return;
+    run_planned(a16, kt, call, plan_of(call, kt), &ops);
+    return;
+  }
+  const SdpaPlan plan = plan_of(call, kt);
   prepare_bf16(args, kt, plan.path, ops, a16);
   run_planned(a16, kt, call, plan, &ops);
 }
@@ -128,7 +139,7 @@ void sdpa_forward(const SdpaArgs<T>& a) {
     if (a.precision == Precision::kBFloat16) return sdpa_forward_bf16(a, kt);
   }
   const SdpaShape call = describe(a);
-  if (a.key.paged.present() && a.range.packed && run_split(a, kt, call)) return;
+  if (a.key.paged.present() && a.range.packed && run_split(a, kt, call, nullptr)) return;
   run_planned(a, kt, call, plan_of(call, kt), nullptr);
 }
 
@@ -189,7 +200,8 @@ SdpaShape part_of(const SdpaArgs<T>& a, const SdpaShape& call, const std::vector
 // tile of 16 lanes. Each sequence's rows are then those of a call of its
 // kind alone. False where the step holds one kind only.
 template <typename T>
-bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call) {
+bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
+               const Bf16Operands* bf16) {
   std::vector<int64_t> many(size_t(call.B), 0), few(size_t(call.B), 0);
   bool any_many = false, any_few = false;
   for (int64_t b = 0; b < call.B; ++b) {
@@ -208,7 +220,7 @@ bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& 
   parts[0].query_lengths = many.data();
   parts[1].query_lengths = few.data();
   for (SdpaPart& part : parts) part.plan = plan_of(part.call, kt);
-  run_parts(a, kt, parts, 2, nullptr);
+  run_parts(a, kt, parts, 2, bf16);
   return true;
 }
 

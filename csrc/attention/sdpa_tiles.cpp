@@ -274,6 +274,7 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
   T* l = t.l;
   T* m = t.m;
   const bool pairs = c.bf16 && c.bf16->as_pairs;
+  const bool round_blocks = c.bf16 && c.bf16->round_blocks;
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
   RowReader<T> values = row_reader(a.value, kt, b, kv_head);
   if (aligned_values) values.native = aligned_values->data, values.ld = aligned_values->ld;
@@ -295,18 +296,23 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
     int64_t ldk, ldv;
     if (pairs) {
       bf16_scores(c, t, kv_head, start, n, st);
-    } else if (__builtin_expect(keys.blocks && !keys.stored(), 0)) {
+    } else if (__builtin_expect(!round_blocks && keys.blocks && !keys.stored(), 0)) {
       paged_scores(kt, keys, t, start, n, E, st);
-    } else if (const T* kb = keys.rows(start, n, k_buf, ldk); ask_ahead) {
-      LineRange value_lines = stored_row_lines(a.value, b, kv_head, start, n);
-      const int64_t pieces = (n + kAheadKeysPerPiece - 1) / kAheadKeysPerPiece;
-      for (int64_t j = 0; j < n; j += kAheadKeysPerPiece) {
-        request_lines_to_l2(value_lines, (value_lines.end + pieces - 1) / pieces);
-        kt.gemm(std::min(kAheadKeysPerPiece, n - j), t.lanes, E, kb + j * ldk, ldk, 1, t.q_t, qt,
-                st + j * qt, qt, GemmInit::kZero, nullptr);
-      }
     } else {
-      kt.gemm(n, t.lanes, E, kb, ldk, 1, t.q_t, qt, st, qt, GemmInit::kZero, nullptr);
+      const T* kb = keys.rows(start, n, k_buf, ldk);
+      // float32 products over a pool: the block rounded in the buffer.
+      if (round_blocks) kb = bf16_rounded_rows(c, kb, ldk, n, E, k_buf), ldk = E;
+      if (ask_ahead) {
+        LineRange value_lines = stored_row_lines(a.value, b, kv_head, start, n);
+        const int64_t pieces = (n + kAheadKeysPerPiece - 1) / kAheadKeysPerPiece;
+        for (int64_t j = 0; j < n; j += kAheadKeysPerPiece) {
+          request_lines_to_l2(value_lines, (value_lines.end + pieces - 1) / pieces);
+          kt.gemm(std::min(kAheadKeysPerPiece, n - j), t.lanes, E, kb + j * ldk, ldk, 1, t.q_t,
+                  qt, st + j * qt, qt, GemmInit::kZero, nullptr);
+        }
+      } else {
+        kt.gemm(n, t.lanes, E, kb, ldk, 1, t.q_t, qt, st, qt, GemmInit::kZero, nullptr);
+      }
     }
     soft_cap(a, kt, st, n, qt, t.lanes, !c.bf16 && a.softcap_folded());
     // (2) bands and masks
@@ -336,7 +342,7 @@ void visit_flash_chunk(const SdpaContext<T>& c, FlashTile<T>& t, int64_t c0, int
       continue;
     }
     const T* vb = values.rows(start, n, v_buf, ldv);
-    if (pairs) vb = bf16_rounded_rows(c, vb, ldv, n, Ev, v_buf), ldv = Ev;
+    if (pairs || round_blocks) vb = bf16_rounded_rows(c, vb, ldv, n, Ev, v_buf), ldv = Ev;
     const auto values_finite = [&](int64_t j0, int64_t count) {
       return finite_values.all(b, kv_head, j0, count, [&] {
         return rows_finite(kt, vb + (j0 - start) * ldv, ldv, count, Ev);
