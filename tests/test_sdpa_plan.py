@@ -352,6 +352,23 @@ def test_values_are_copied_onto_lines_with_tiles_enough(facts, element_size, few
     assert not plan(call_of(L=fewest * qt, **packed), facts)["align_values"]
 
 
+@pytest.mark.parametrize("facts", FACTS)
+def test_bfloat16_products_plan_for_what_the_tile_path_reads(facts):
+    # Pairs: bfloat16 keys and value pairs, never an aligned copy of the values. float32
+    # products: float32 copies of the rounded rows, whose rows start on lines where whole lines
+    # hold them (Ev 64), and miss them otherwise (Ev 72: then copied onto lines, as float32 rows
+    # are), whatever the call stores.
+    qt = facts[0]
+    base = dict(L=8 * qt, S=300, E=64, values_on_lines=False, bf16_products=True)
+    assert not testing.plan_sdpa(call_of(**base), *facts, 1, bf16_pairs=True)["align_values"]
+    assert not testing.plan_sdpa(call_of(**base), *facts, 1, bf16_pairs=False)["align_values"]
+    odd = dict(base, Ev=72, values_on_lines=True, values_16bit=True)
+    assert testing.plan_sdpa(call_of(**odd), *facts, 1, bf16_pairs=False)["align_values"]
+    assert not testing.plan_sdpa(call_of(**odd), *facts, 1, bf16_pairs=True)["align_values"]
+    # The same call at the default precision: its own rows, on lines and 16-bit, are read.
+    assert not plan(call_of(**dict(odd, bf16_products=False)), facts)["align_values"]
+
+
 def test_values_copy_bounds():
     line = 16
     ld = ceil_div(80, line) * line  # Ev 80 -> 96 elements a row

@@ -72,13 +72,16 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   // Stored rows for more than 4 rows are widened into the buffer as usual.
   //
   // With bfloat16 products the keys and values are read in place, never
-  // rounded into a copy on each call: every block is listed and read by the
-  // bfloat16 table's row kernels, which round float32 and float16 elements
-  // as they load them (see sdpa_bf16.h).
+  // rounded into a copy on each call: float32 rows are listed and read by
+  // the bfloat16 table's row kernels, which round them as they load them;
+  // 16-bit and int8 rows are taken as stored (see sdpa_bf16.h).
   const Bf16KernelTable* kt16 = nullptr;
   if constexpr (std::is_same_v<T, float>) kt16 = c.bf16 ? c.bf16->kt16 : nullptr;
-  const bool listed_keys = kt16 || (keys.blocks && (direct_keys || !keys.stored()));
-  const bool listed_values = kt16 || (values.blocks && (direct_values || !values.stored()));
+  const bool rounded_keys = kt16 && !keys.stored();
+  const bool rounded_values = kt16 && !values.stored();
+  const bool listed_keys = rounded_keys || (keys.blocks && (direct_keys || !keys.stored()));
+  const bool listed_values =
+      rounded_values || (values.blocks && (direct_values || !values.stored()));
   // A block's rows listed, and the next rows (to be asked for ahead, as the
   // kernels do within a block: at a block's start a contiguous cache has
   // the hardware prefetchers' stream going, a paged one not).
@@ -104,11 +107,11 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     if (listed_keys) {
       keys.list(start, n, ahead, listed, listed_scales);
       if constexpr (std::is_same_v<T, float>) {
-        if (kt16)
-          kt16->scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n,
-                              n + ahead, E, a.query_scale(), s_rows);
+        if (rounded_keys)
+          kt16->scores_rounded(q_rows, n_rows, reinterpret_cast<const float* const*>(listed), n,
+                               n + ahead, E, a.query_scale(), s_rows);
       }
-      if (!kt16)
+      if (!rounded_keys)
         kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, n + ahead,
                          E, a.query_scale(), s_rows);
     } else if constexpr (std::is_same_v<T, float>) {
@@ -146,7 +149,7 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
         // block holds a value that is not finite, the row goes key by key
         // (see accumulate_values).
         if (vb == nullptr) vb = values.rows(start, n, v_buf, ldv);
-        if (kt16 && vb != rounded_block) {
+        if (rounded_values && vb != rounded_block) {
           // The operands of the products: this block rounded, in the buffer.
           if (vb != v_buf)
             for (int64_t i = 0; i < n; ++i) std::copy_n(vb + i * ldv, Ev, v_buf + i * Ev);
@@ -171,11 +174,11 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     if (listed_values) {
       values.list(start, n, ahead, listed, listed_scales);
       if constexpr (std::is_same_v<T, float>) {
-        if (kt16)
-          kt16->accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n,
-                                     n + ahead, Ev, acc_plain);
+        if (rounded_values)
+          kt16->accumulate_pv_rounded(p_plain, plain, reinterpret_cast<const float* const*>(listed),
+                                      n, n + ahead, Ev, acc_plain);
       }
-      if (!kt16)
+      if (!rounded_values)
         kt.accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n,
                               n + ahead, Ev, acc_plain);
     } else if (direct_values) {

@@ -110,7 +110,7 @@ py::dict plan_dict(const sdpa::SdpaPlan& plan) {
 void register_testing_planner(py::module_& testing) {
   testing.def(
       "plan_sdpa",
-      [](const py::dict& call, int query_tile, int vector_width, int threads) {
+      [](const py::dict& call, int query_tile, int vector_width, int threads, bool bf16_pairs) {
         if (query_tile < 1 || query_tile > sdpa::kMaxTile || vector_width < 1 ||
             query_tile % vector_width != 0)
           throw py::value_error(
@@ -118,11 +118,14 @@ void register_testing_planner(py::module_& testing) {
               std::to_string(sdpa::kMaxTile));
         if (threads < 1) throw py::value_error("plan_sdpa: threads must be >= 1");
         return plan_dict(sdpa::plan_sdpa(shape_from(call),
-                                         sdpa::KernelFacts{query_tile, vector_width}, threads));
+                                         sdpa::KernelFacts{query_tile, vector_width, bf16_pairs},
+                                         threads));
       },
       py::arg("call"), py::arg("query_tile"), py::arg("vector_width"), py::arg("threads"),
+      py::arg("bf16_pairs") = true,
       "The plan of scaled dot-product attention for a described call (a dict of B, Hq, Hk, "
-      "L, S, E, Ev and optional facts), as a dict; nothing is run.");
+      "L, S, E, Ev and optional facts), as a dict; nothing is run. bf16_pairs: whether "
+      "bfloat16 products run as pairs (else as float32 multiply-adds).");
   testing.def(
       "sdpa_work",
       [](const py::dict& call) { return sdpa::sdpa_work(shape_from(call)); }, py::arg("call"),

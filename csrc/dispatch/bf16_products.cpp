@@ -45,9 +45,8 @@ bool pairs_pay(const Bf16KernelTable& kt16, const KernelTable<float>& kt) {
 Bf16Products choose() {
   const char* value = std::getenv("ATTNX_BF16_PRODUCTS");
   std::string name = value != nullptr ? value : "";
-  name.erase(std::remove_if(name.begin(), name.end(),
-                            [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; }),
-             name.end());
+  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
+  name.erase(std::remove_if(name.begin(), name.end(), space), name.end());
   for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (name == "pairs") return Bf16Products::kPairs;
   if (name == "float") return Bf16Products::kFloat;

@@ -57,16 +57,16 @@ struct Bf16KernelTable {
                     int64_t a_col, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                     GemmInit init, const float* init_values);
 
-  // The row path's products (decoding, sdpa_rows.cpp): the float32 table's
-  // scores_listed and accumulate_pv_listed (KernelTable), the same sums,
-  // with float32 elements rounded to bfloat16 as they are loaded, by this
-  // table's rounding (16-bit and int8 elements taken as stored).
-  void (*scores_listed)(const float* const* q, int rows, const void* const* k,
-                        const float* scales, int stored, int64_t n_keys, int64_t listed,
-                        int64_t dim, float scale, float* const* dst);
-  void (*accumulate_pv_listed)(const float* const* p, int rows, const void* const* v,
-                               const float* scales, int stored, int64_t n_keys, int64_t listed,
-                               int64_t dim, float* const* acc);
+  // The row path's products (decoding, sdpa_rows.cpp) over float32 keys and
+  // values: the float32 table's scores_listed and accumulate_pv_listed
+  // (KernelTable) over rows stored as float32, the same sums, with the
+  // elements rounded to bfloat16 as they are loaded, by this table's
+  // rounding. (16-bit and int8 elements are taken as stored: the float32
+  // table's kernels.)
+  void (*scores_rounded)(const float* const* q, int rows, const float* const* k, int64_t n_keys,
+                         int64_t listed, int64_t dim, float scale, float* const* dst);
+  void (*accumulate_pv_rounded)(const float* const* p, int rows, const float* const* v,
+                                int64_t n_keys, int64_t listed, int64_t dim, float* const* acc);
 
   // The native table's peak: kFmaProbeChains chains of vdpbf16ps held in
   // registers, `iterations` steps each (two products a lane a step), as the

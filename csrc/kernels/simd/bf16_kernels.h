@@ -200,7 +200,7 @@ struct Bf16Kernels {
     return Bf16KernelTable{name,           isa,   kNative,    kVectors * W,
                            gemm,           round, round_in_place, pack_pairs,
                            kWideVectors * W, kNative ? gemm_wide : gemm,
-                           Rows::scores_listed, Rows::accumulate_pv_listed,
+                           Rows::scores_listed_native, Rows::accumulate_pv_listed_native,
                            kNative ? dot_probe : nullptr};
   }
 };

@@ -590,8 +590,20 @@ struct RowKernels {
         default: break;
       }
     }
-    scores_at<Stored::kNative, T>(q, rows, ListedRows<T>{reinterpret_cast<const T* const*>(k)},
-                                  nullptr, n_keys, listed, dim, scale, dst, true);
+    scores_listed_native(q, rows, reinterpret_cast<const T* const*>(k), n_keys, listed, dim, scale,
+                         dst);
+  }
+  // scores_listed and accumulate_pv_listed over rows stored as T.
+  static void scores_listed_native(const T* const* q, int rows, const T* const* k, int64_t n_keys,
+                                   int64_t listed, int64_t dim, T scale, T* const* dst) {
+    scores_at<Stored::kNative, T>(q, rows, ListedRows<T>{k}, nullptr, n_keys, listed, dim, scale,
+                                  dst, true);
+  }
+  static void accumulate_pv_listed_native(const T* const* p, int rows, const T* const* v,
+                                          int64_t n_keys, int64_t listed, int64_t dim,
+                                          T* const* acc) {
+    accumulate_pv_at<Stored::kNative, T>(p, rows, ListedRows<T>{v}, nullptr, n_keys, listed, dim,
+                                         acc, true);
   }
   static void accumulate_pv_listed(const T* const* p, int rows, const void* const* v,
                                    const float* vs, int stored, int64_t n_keys, int64_t listed,
@@ -613,9 +625,8 @@ struct RowKernels {
         default: break;
       }
     }
-    accumulate_pv_at<Stored::kNative, T>(p, rows,
-                                         ListedRows<T>{reinterpret_cast<const T* const*>(v)},
-                                         nullptr, n_keys, listed, dim, acc, true);
+    accumulate_pv_listed_native(p, rows, reinterpret_cast<const T* const*>(v), n_keys, listed,
+                                dim, acc);
   }
 };
 
