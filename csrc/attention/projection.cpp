@@ -119,6 +119,21 @@ RowSequence row_sequence(const StridedView<const T, 3>& x, const StridedView<T, 
   return RowSequence{N, L, x.stride[1], y.stride[1]};
 }
 
+// `rows` rows of `cols` float32 values, row r read at row(r), rounded to
+// bfloat16 values into a copy (rows cols apart): the operands of float32
+// products (Bf16Products::kFloat).
+template <typename Row>
+CacheLineArray<float> rounded_copy(int64_t rows, int64_t cols, const Row& row) {
+  const Bf16KernelTable& kt16 = active_bf16_kernels();
+  CacheLineArray<float> copy = cache_line_array<float>(size_t(std::max<int64_t>(1, rows * cols)));
+  parallel_for(rows, threads_for(kTransposeWork * double(rows) * double(cols)), [&](int64_t r) {
+    float* dst = copy.get() + r * cols;
+    std::copy_n(row(r), cols, dst);
+    kt16.round_in_place(dst, cols);
+  });
+  return copy;
+}
+
 // y = act(x . w^T + bias) with bfloat16 products: x's rows rounded into
 // rows of pairs, w packed (or `packed`), then the tiles of the bfloat16
 // table's gemm over blocks of rows and panels, as the float32 form's.
@@ -136,13 +151,8 @@ void linear_bf16(const StridedView<const float, 3>& x, const RowMajorView<const 
   if (packed->rounded) {
     // float32 products: x's rows rounded into a copy, then the float32 form
     // on the rounded operands.
-    const CacheLineArray<float> x_rounded = cache_line_array<float>(size_t(rows * in));
-    parallel_for(rows, threads_for(kTransposeWork * double(rows) * double(in)),
-                 [&](int64_t r) {
-                   float* dst = x_rounded.get() + r * in;
-                   std::copy_n(x.at(r / L, r % L), in, dst);
-                   kt16.round_in_place(dst, in);
-                 });
+    const CacheLineArray<float> x_rounded =
+        rounded_copy(rows, in, [&](int64_t r) { return x.at(r / L, r % L); });
     StridedView<const float, 3> xr;
     xr.data = x_rounded.get();
     xr.shape[0] = N, xr.shape[1] = L, xr.shape[2] = in;
@@ -200,12 +210,7 @@ Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w) {
   Bf16Weights packed;
   packed.rows = w.rows, packed.cols = w.cols;
   if (bf16_products() == Bf16Products::kFloat) {
-    packed.rounded = cache_line_array<float>(size_t(std::max<int64_t>(1, w.rows * w.cols)));
-    parallel_for(w.rows, threads_for(double(w.rows) * double(w.cols) * 8), [&](int64_t r) {
-      float* dst = packed.rounded.get() + r * w.cols;
-      std::copy_n(w.row(r), w.cols, dst);
-      kt16.round_in_place(dst, w.cols);
-    });
+    packed.rounded = rounded_copy(w.rows, w.cols, [&](int64_t r) { return w.row(r); });
     return packed;
   }
   packed.width = kt16.wide_panel_width;

@@ -142,20 +142,20 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, SdpaPa
   const int64_t E = a.query.shape[3];
   // The tile path multiplies pairs (Bf16Products::kPairs), or float32 rows
   // of rounded operands as the other paths do.
-  const bool tile_path = path == SdpaPath::kTiles && bf16_products() == Bf16Products::kPairs;
-  ops.as_pairs = tile_path;
+  const bool tiles = path == SdpaPath::kTiles;
+  ops.as_pairs = tiles && bf16_products() == Bf16Products::kPairs;
   // Queries: the pairs' tile path rounds round(scale * q) as it packs a
   // tile; the others read a copy of them, whose scale is then 1.
-  if (!tile_path) round_queries(a, kt, kt16, ops, a16);
+  if (!ops.as_pairs) round_queries(a, kt, kt16, ops, a16);
   // The row path reads the keys and values where they are (flash_rows).
   if (path == SdpaPath::kRows) return;
-  const bool paged = a.key.paged.present() || a.value.paged.present();
-  if (path == SdpaPath::kTiles && !tile_path && paged) {
-    ops.round_blocks = true;
-    return;
-  }
-  if (path == SdpaPath::kTiles && !tile_path) {
-    // float32 products on the tile path: float32 rows of rounded operands.
+  if (tiles && !ops.as_pairs) {
+    // float32 products on the tile path: float32 rows of rounded operands,
+    // or a pool's blocks rounded as the path reads them.
+    if (a.key.paged.present() || a.value.paged.present()) {
+      ops.round_blocks = true;
+      return;
+    }
     StridedView<const float, 4> view;
     ops.float_keys = rounded_rows(a, a.key, kt, kt16, E, view);
     a16.key = StoredView<float>::of(view);
@@ -174,7 +174,7 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, SdpaPa
 
   // Values: pairs for the tile path (which reads the caller's values only
   // where it falls back to rows), bfloat16 rows for the others.
-  if (!tile_path) {
+  if (!ops.as_pairs) {
     // bfloat16 values are read in place, unless they lie in a pool's blocks.
     if (a.value.storage != Storage::kBFloat16 || a.value.paged.present()) {
       StridedView<const uint16_t, 4> bits;

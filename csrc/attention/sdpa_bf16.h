@@ -25,9 +25,9 @@
 // and int8 ones as stored: a bfloat16 or int8 element is a bfloat16 value
 // (an int8 row's scale multiplies in float32), and a float16 one, whose 11
 // significand bits make its products with bfloat16 values exact in float32
-// as well, is multiplied as it is (rounding it as it is loaded cost a
-// float16 step 1.4x its time; rounding a cache into a copy on each call
-// cost a step up to ten times its time).
+// as well, is multiplied as it is: rounding it as it is loaded lengthens
+// the widening that bounds such a step, and rounding a cache into a copy on
+// each call costs far more than the step (docs/tuning.md).
 //
 // Broadcast batch or head axes stay broadcast in the copies.
 #pragma once

@@ -2,6 +2,7 @@
 // call, the kernels, the plan, and what the driver prepared for the paths.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -34,6 +35,18 @@ void round_operands(const SdpaContext<T>& c, T* x, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     if (c.bf16) c.bf16->kt16->round_in_place(x, n);
   }
+}
+
+// A block's n rows of `cols` elements (ld apart; already in buf where v is
+// buf) rounded as round_operands rounds into buf (rows cols apart): the
+// operands of a block read where it lies, as a path multiplies them.
+template <typename T>
+const T* bf16_rounded_rows(const SdpaContext<T>& c, const T* v, int64_t ld, int64_t n,
+                           int64_t cols, T* buf) {
+  for (int64_t j = 0; j < n; ++j)
+    if (v + j * ld != buf + j * cols) std::copy_n(v + j * ld, cols, buf + j * cols);
+  round_operands(c, buf, n * cols);
+  return buf;
 }
 
 }  // namespace attnx::sdpa

@@ -67,16 +67,15 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
     return std::make_pair(double(S_read) * double(cols) * element, heads);
   };
   // With bfloat16 products the tile path reads bfloat16 keys and value
-  // pairs, or float32 copies of them, whatever the call stores.
+  // pairs, or float32 copies of them, whatever the call stores; the copies'
+  // rows start on cache lines where whole lines hold them.
   StoredShape keys_read = call.keys, values_read = call.values;
+  bool values_on_lines = call.values_on_lines;
   if (tiled && call.bf16_products) {
     keys_read.element_size = values_read.element_size = kernel.bf16_pairs ? 2 : 4;
     keys_read.native = values_read.native = !kernel.bf16_pairs;
+    if (!kernel.bf16_pairs) values_on_lines = Ev * int64_t(sizeof(T)) % 64 == 0;
   }
-  // (The float32 copies' rows start on cache lines where whole lines hold them.)
-  const bool values_on_lines = tiled && call.bf16_products && !kernel.bf16_pairs
-                                   ? Ev * int64_t(sizeof(T)) % 64 == 0
-                                   : call.values_on_lines;
   const auto [key_head_bytes, key_heads] = head_bytes_and_count(keys_read, E);
   const auto [value_head_bytes, value_heads] = head_bytes_and_count(values_read, Ev);
   const double head_bytes = key_head_bytes + value_head_bytes;

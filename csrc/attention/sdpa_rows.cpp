@@ -99,7 +99,6 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     request_lines_to_l2(lead, lead.size());
     const T* kb = direct_keys || listed_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
     const T* vb = direct_values || listed_values ? nullptr : values.rows(start, n, v_buf, ldv);
-    const T* rounded_block = nullptr;
     // (1) the scores of every row: the kernel takes a few rows through each
     // key at once; the first of them read the block from memory, the others
     // from cache.
@@ -148,13 +147,10 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
         // A closed key's value must not reach the row (0 * NaN): where the
         // block holds a value that is not finite, the row goes key by key
         // (see accumulate_values).
-        if (vb == nullptr) vb = values.rows(start, n, v_buf, ldv);
-        if (rounded_values && vb != rounded_block) {
-          // The operands of the products: this block rounded, in the buffer.
-          if (vb != v_buf)
-            for (int64_t i = 0; i < n; ++i) std::copy_n(vb + i * ldv, Ev, v_buf + i * Ev);
-          vb = rounded_block = v_buf, ldv = Ev;
-          round_operands(c, v_buf, n * Ev);
+        if (vb == nullptr) {
+          vb = values.rows(start, n, v_buf, ldv);
+          // float32 values are the products' operands rounded (in the buffer).
+          if (rounded_values) vb = bf16_rounded_rows(c, vb, ldv, n, Ev, v_buf), ldv = Ev;
         }
         if (!rows_finite(kt, vb, ldv, n, Ev)) {
           accumulate_values(a, kt, b, head[r], row[r], start, n, true, s, vb, ldv, Ev, acc_r,

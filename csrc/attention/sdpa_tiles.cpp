@@ -207,17 +207,6 @@ bool bf16_values(const SdpaContext<T>& c, const FlashTile<T>& t, int64_t kv_head
   }
 }
 
-// A block's value rows (n x Ev, ld apart) rounded to bfloat16 values into
-// buf (rows Ev apart): the row by row form's operands.
-template <typename T>
-const T* bf16_rounded_rows(const SdpaContext<T>& c, const T* v, int64_t ld, int64_t n,
-                           int64_t Ev, T* buf) {
-  for (int64_t j = 0; j < n; ++j)
-    if (v + j * ld != buf + j * Ev) std::copy_n(v + j * ld, Ev, buf + j * Ev);
-  round_operands(c, buf, n * Ev);
-  return buf;
-}
-
 // The tile's keys in the chunk [c0, c1): its blocks added into the chunk's
 // accumulator, which is then merged into the total.
 // A paged cache's native keys' scores, read in place block by block (the

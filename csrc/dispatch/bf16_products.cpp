@@ -14,7 +14,8 @@
 namespace attnx {
 namespace {
 
-// Steps per timing of a probe: about 0.1 ms of either; the best of a few
+// Steps per timing of a probe: enough to outlast the clock's resolution,
+// few enough to cost the first bfloat16 call little; the best of a few
 // timings, taken in turns, so that a moment's interruption of one does not
 // decide.
 constexpr int64_t kProbeSteps = 1 << 13;

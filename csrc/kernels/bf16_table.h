@@ -79,8 +79,8 @@ struct Bf16KernelTable {
 // instruction makes more products per second than its float32 multiply-adds
 // (by kPairsPayRatio), or else as float32 multiply-adds of the rounded
 // operands, on the float kernels: the emulation of the pairs costs two
-// multiply-adds a pair and more, and some CPUs run vdpbf16ps at half the
-// multiply-add rate (docs/tuning.md). ATTNX_BF16_PRODUCTS=pairs or =float
+// multiply-adds a pair and more, and some CPUs run vdpbf16ps slower than
+// their multiply-adds (docs/tuning.md). ATTNX_BF16_PRODUCTS=pairs or =float
 // sets it (pairs: on the active bfloat16 table, emulated or not).
 enum class Bf16Products { kPairs, kFloat };
 Bf16Products bf16_products();
