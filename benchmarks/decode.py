@@ -76,11 +76,15 @@ The helpers of ``timing.py`` (imported from beside this file) do the timing and 
   or 1-byte elements can be bound by the arithmetic rather than by the bytes.
 * The share of the machine's CPU time used by other processes during the run is reported
   (``--wait-quiet`` waits for a quiet machine first).
-* ``--precision bfloat16`` times attnx with ``precision="bfloat16"`` and, in the same rounds,
-  attnx at the default precision on the same cache ("attnx float32"); each row gives the median
-  over rounds of the ratio of their block medians (default / bfloat16: above 1, bfloat16 products
-  are faster). Its tolerance is bfloat16's for float32 and float16 caches. The run is written to
-  the ``decode-bfloat16`` section.
+* ``--precision bfloat16`` (or ``int8``, int8 caches only) times attnx with that ``precision=``
+  and, in the same rounds, attnx at the default precision on the same cache ("attnx float32");
+  each row gives the median over rounds of the ratio of their block medians (default / chosen:
+  above 1, the chosen precision is faster). Its tolerance is bfloat16's for float32 and float16
+  caches. The run is written to the ``decode-bfloat16`` (``decode-int8``) section.
+* ``--beside-float32-cache`` (with ``--precision``) times, in the same rounds, attnx at the
+  default precision over a float32 cache of the same keys and values ("attnx float32 cache"), and
+  each row gives the median over rounds of its time over attnx's (above 1: the row's cache and
+  precision take less time than a float32 cache).
 """
 
 from __future__ import annotations
@@ -216,15 +220,21 @@ def setup_attnx(data: dict, length: int, threads: int, opts, precision: str | No
     cache = attnx_cache(data, length, opts.max_len)
     q = data["q"]
     chosen = None if precision == "float32" else precision
-    kernels = attnx.show_config()["precisions"]["bfloat16"] if chosen else None
+    kernels = attnx.show_config()["precisions"][chosen] if chosen else None
     return Bench(lambda: attnx.cached_attention(q, cache, precision=chosen),
                  note=f"attnx.cached_attention over KVCache(max_len={opts.max_len})"
                       + (f", precision={chosen!r} ({kernels})" if chosen else ""))
 
 
 def setup_attnx_float32(data: dict, length: int, threads: int, opts) -> Bench:
-    """attnx at the default precision, beside a --precision bfloat16 run."""
+    """attnx at the default precision, beside a --precision run."""
     return setup_attnx(data, length, threads, opts, "float32")
+
+
+def setup_attnx_float32_cache(data: dict, length: int, threads: int, opts) -> Bench:
+    """attnx at the default precision over a float32 cache of the same rows (--beside-float32-cache)."""
+    return setup_attnx({**data, "cache_dtype": "float32", "k": data["k"].astype(np.float32),
+                        "v": data["v"].astype(np.float32)}, length, threads, opts, "float32")
 
 
 def setup_torch(data: dict, length: int, threads: int, opts) -> Bench:
@@ -380,7 +390,7 @@ def setup_onnxruntime(data: dict, length: int, threads: int, opts) -> Bench:
 
 
 ADAPTERS = {"attnx": setup_attnx, "torch": setup_torch, "onnxruntime": setup_onnxruntime,
-            "attnx_float32": setup_attnx_float32}
+            "attnx_float32": setup_attnx_float32, "attnx_float32_cache": setup_attnx_float32_cache}
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,7 +458,7 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
     status: dict[str, dict] = {}
     benches: dict[str, Bench] = {}
     if opts.precision != "float32":
-        libs = [*libs, "attnx_float32"]
+        libs = [*libs, "attnx_float32"] + (["attnx_float32_cache"] if opts.beside_float32_cache else [])
     for name in libs:
         try:
             bench = ADAPTERS[name](data, length, threads, opts)
@@ -482,10 +492,13 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
     if not benches and progress is not None:
         progress.update(opts.rounds)
     nbytes = kv_bytes(length, data["k"].shape[1], dtype)
-    default_vs_chosen = None
-    if "attnx" in timings and "attnx_float32" in timings:
-        ratios = [d / b for d, b in zip(timings["attnx_float32"]["block_medians_ms"], timings["attnx"]["block_medians_ms"])]
-        default_vs_chosen = statistics.median(ratios)
+    def per_round(base: str) -> float | None:
+        """The median over rounds of base's block median over attnx's."""
+        if "attnx" not in timings or base not in timings:
+            return None
+        return statistics.median(d / b for d, b in zip(timings[base]["block_medians_ms"],
+                                                       timings["attnx"]["block_medians_ms"]))
+    default_vs_chosen = per_round("attnx_float32")
     for name, t in timings.items():
         status[name].update(t)
         status[name]["median_us"] = 1e3 * t["median_ms"]
@@ -495,7 +508,8 @@ def bench_row(data: dict, dtype: str, length: int, libs: list[str], threads: int
     gc.collect()
     return {"dtype": dtype, "length": length, "kv_heads": data["k"].shape[1], "q_heads": Q_HEADS,
             "head_dim": HEAD_DIM, "max_len": opts.max_len, "kv_bytes": nbytes, "flops": step_flops(length),
-            "default_vs_bfloat16_per_round": default_vs_chosen, "libs": status}
+            "default_vs_precision_per_round": default_vs_chosen,
+            "float32_cache_vs_precision_per_round": per_round("attnx_float32_cache"), "libs": status}
 
 
 def add_comparisons(row: dict, peaks: dict, caches: dict) -> None:
@@ -568,7 +582,8 @@ def worker_argv(out_path: str, opts) -> list[str]:
             "--libs", *opts.libs, "--rounds", str(opts.rounds), "--block-seconds", str(opts.block_seconds),
             "--pause-ms", str(opts.pause_ms), "--ort-op", opts.ort_op, "--seed", str(opts.seed),
             "--precision", opts.precision]
-    return argv + (["--quick"] if opts.quick else []) + (["--no-progress"] if opts.no_progress else [])
+    return (argv + (["--quick"] if opts.quick else []) + (["--no-progress"] if opts.no_progress else [])
+            + (["--beside-float32-cache"] if opts.beside_float32_cache else []))
 
 
 def spread_table(run: dict) -> str:
@@ -677,8 +692,11 @@ def parse_args(argv=None):
     p.add_argument("--out", "--json", dest="out", metavar="PATH",
                    help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
                         "saved only when this is given)")
-    p.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
-                   help="attnx's precision= (bfloat16: attnx at the default precision runs beside it; see above)")
+    p.add_argument("--precision", choices=("float32", "bfloat16", "int8"), default="float32",
+                   help="attnx's precision= (attnx at the default precision runs beside it; int8: int8 caches "
+                        "only; see above)")
+    p.add_argument("--beside-float32-cache", action="store_true",
+                   help="with --precision: also attnx at the default precision over a float32 cache (see above)")
     p.add_argument("--section", help="key of the results file to write (default decode, or decode-bfloat16)")
     p.add_argument("--no-save", action="store_true", help="print the report only")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

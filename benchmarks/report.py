@@ -193,10 +193,15 @@ def decode_table(run: dict) -> str:
     head = ["dtype", "cache length", "K+V read", "fits L3", "attnx us", "torch us", "onnxruntime us",
             "best peer", "speed-up", "attnx GB/s", "read BW, same size GB/s", "% of read BW", "attnx GFLOP/s",
             "% of FMA peak"]
-    # --precision bfloat16: attnx at the default precision beside it, and their per-round ratio.
-    beside = run.get("precision", "float32") != "float32"
+    # --precision: attnx at the default precision beside it, and their per-round ratio (and with
+    # --beside-float32-cache, the default precision over a float32 cache, and its ratio).
+    precision = run.get("precision", "float32")
+    beside = precision != "float32"
+    cache32 = beside and any("attnx_float32_cache" in r["libs"] for r in run["rows"])
     if beside:
-        head += ["attnx float32 us", "float32 / bfloat16 per round"]
+        head += ["attnx float32 us", f"float32 / {precision} per round"]
+    if cache32:
+        head += ["attnx float32 cache us", f"float32 cache / {precision} per round"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in run["rows"]:
         same = r.get("read_bw_same_size")
@@ -215,7 +220,12 @@ def decode_table(run: dict) -> str:
         cells.append(f"{100 * fma:.0f}%" if fma is not None else "-")
         if beside:
             cells.append(fmt_us(r["libs"].get("attnx_float32", {"status": "-"})))
-            ratio = r.get("default_vs_bfloat16_per_round")
+            # (results files before --precision int8 name it for bfloat16)
+            ratio = r.get("default_vs_precision_per_round", r.get("default_vs_bfloat16_per_round"))
+            cells.append(f"{ratio:.2f}" if ratio else "-")
+        if cache32:
+            cells.append(fmt_us(r["libs"].get("attnx_float32_cache", {"status": "-"})))
+            ratio = r.get("float32_cache_vs_precision_per_round")
             cells.append(f"{ratio:.2f}" if ratio else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -443,7 +443,8 @@ def test_attnx_isa_picks_the_bfloat16_table(isa):
     assert cfg["isa"] == ("avx512" if isa == "avx512_bf16" else isa)
     assert cfg["precisions"] == {
         "float32": cfg["isa"], "float64": cfg["isa"],
-        "bfloat16": "avx512_bf16" if isa == "avx512_bf16" else f"{isa} (emulated)"}
+        "bfloat16": "avx512_bf16" if isa == "avx512_bf16" else f"{isa} (emulated)",
+        "int8": "avx512_vnni" if isa == "avx512_bf16" else f"{isa} (float32 products)"}
 
 
 def test_best_level_runs_the_native_table_where_the_cpu_has_it():

@@ -133,7 +133,10 @@ CALLS = list(_every_call(None))
 @pytest.mark.parametrize("name", CALLS)
 @pytest.mark.parametrize("bad", ["bf16", "float16", "BFLOAT16", 1, True, np.float32, ""])
 def test_unknown_precision_raises_naming_the_choices(name, bad):
-    with pytest.raises(ValueError, match=r"precision must be None, 'float32' or 'bfloat16', got"):
+    # Attention over a cache also takes "int8".
+    choices = "None, 'float32', 'bfloat16' or 'int8'" if name in ("cached_attention", "paged_attention") \
+        else "None, 'float32' or 'bfloat16'"
+    with pytest.raises(ValueError, match=rf"precision must be {choices}, got"):
         _every_call(bad)[name]()
 
 

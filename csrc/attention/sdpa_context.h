@@ -9,6 +9,7 @@
 #include "attention/masking/mask_blocks.h"
 #include "attention/sdpa_bf16.h"
 #include "attention/sdpa_common.h"
+#include "attention/sdpa_int8.h"
 #include "attention/sdpa_plan.h"
 #include "attnx/attention.h"
 #include "kernels/kernel_table.h"
@@ -25,6 +26,8 @@ struct SdpaContext {
   T* states;                           // plan.states_size: the rows' states per key chunk
   // With bfloat16 products: the rounded operands (args are then a16), else null.
   const Bf16Operands* bf16 = nullptr;
+  // With int8 products: the quantized queries, else null.
+  const Int8Queries* int8 = nullptr;
 };
 
 // With bfloat16 products, x[0..n) rounded to bfloat16 values in place: the

@@ -84,6 +84,7 @@ SdpaShape describe(const SdpaArgs<T>& a) {
     for (int64_t b = 0; b < call.B; ++b)
       call.pairs += double(query_length(a, b)) * double(key_length(a, b));
   call.weights = a.weights != nullptr;
+  call.int8_products = a.precision == Precision::kInt8;
   call.values_on_lines = call.values.native && value_rows_on_lines(a, 0, 0);
   return call;
 }
@@ -98,7 +99,8 @@ SdpaPlan plan_of(const SdpaShape& call, const KernelTable<T>& kt) {
 
 template <typename T>
 void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
-                 const SdpaPlan& plan, const Bf16Operands* bf16);
+                 const SdpaPlan& plan, const Bf16Operands* bf16,
+                 const Int8Queries* int8 = nullptr);
 template <typename T>
 bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
                const Bf16Operands* bf16);
@@ -135,8 +137,18 @@ void sdpa_forward(const SdpaArgs<T>& a) {
                          a.mask_cols != a.key.shape(2)))
     throw std::invalid_argument("sdpa_forward: packed sequences take no weights and no masks");
   const KernelTable<T>& kt = active_kernels(T());
+  if (a.precision == Precision::kInt8 &&
+      (a.key.storage != Storage::kInt8 || a.value.storage != Storage::kInt8 || a.weights))
+    throw std::invalid_argument(
+        "precision 'int8' multiplies int8 keys and values (an int8 cache), without weights");
   if constexpr (std::is_same_v<T, float>) {
     if (a.precision == Precision::kBFloat16) return sdpa_forward_bf16(a, kt);
+    if (a.precision == Precision::kInt8) {
+      const SdpaShape call = describe(a);
+      const Int8Queries queries(a);
+      run_planned(a, kt, call, plan_of(call, kt), nullptr, &queries);
+      return;
+    }
   }
   const SdpaShape call = describe(a);
   if (a.key.paged.present() && a.range.packed && run_split(a, kt, call, nullptr)) return;
@@ -166,15 +178,16 @@ struct PartRun {
 
 template <typename T>
 void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* parts, int count,
-               const Bf16Operands* bf16);
+               const Bf16Operands* bf16, const Int8Queries* int8 = nullptr);
 
 // The call's tasks, as planned; bf16: the rounded operands of bfloat16
-// products (a is then theirs), else null.
+// products (a is then theirs), else null; int8: the quantized queries of
+// int8 products, else null.
 template <typename T>
 void run_planned(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
-                 const SdpaPlan& plan, const Bf16Operands* bf16) {
+                 const SdpaPlan& plan, const Bf16Operands* bf16, const Int8Queries* int8) {
   const SdpaPart part{call, plan, a.range.packed ? a.range.query_lengths : nullptr};
-  run_parts(a, kt, &part, 1, bf16);
+  run_parts(a, kt, &part, 1, bf16, int8);
 }
 
 // The call as a plan sees it when it takes only the packed sequences whose
@@ -202,6 +215,8 @@ SdpaShape part_of(const SdpaArgs<T>& a, const SdpaShape& call, const std::vector
 template <typename T>
 bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& call,
                const Bf16Operands* bf16) {
+  // Integer products take the row path for every sequence (plan_sdpa).
+  if (call.int8_products) return false;
   std::vector<int64_t> many(size_t(call.B), 0), few(size_t(call.B), 0);
   bool any_many = false, any_few = false;
   for (int64_t b = 0; b < call.B; ++b) {
@@ -226,7 +241,7 @@ bool run_split(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaShape& 
 
 template <typename T>
 void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* parts, int count,
-               const Bf16Operands* bf16) {
+               const Bf16Operands* bf16, const Int8Queries* int8) {
   int nthreads = 1;
   size_t scratch_per_thread = 0;
   for (int p = 0; p < count; ++p) {
@@ -266,7 +281,7 @@ void run_parts(const SdpaArgs<T>& a, const KernelTable<T>& kt, const SdpaPart* p
   int64_t total = 0;
   for (int p = 0; p < count; ++p) {
     runs[p].emplace(SdpaContext<T>{a, kt, parts[p].plan, finite_values, mask_blocks, states[p],
-                                   bf16},
+                                   bf16, int8},
                     parts[p].call.B, parts[p].call.L, parts[p].query_lengths,
                     parts[p].query_lengths ? a.range.key_lengths : nullptr);
     total += runs[p]->tasks.count();

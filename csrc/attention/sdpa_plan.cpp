@@ -29,7 +29,7 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
   // split depends on the shape only, never on the thread count. With a
   // quarter of a tile of queries or fewer, the row path is the faster (see
   // docs/tuning.md).
-  const bool tiled = !call.weights && L * 4 > kernel.query_tile;
+  const bool tiled = !call.weights && !call.int8_products && L * 4 > kernel.query_tile;
   const bool weights_tiled =
       call.weights && L * 4 >= kernel.query_tile && weights_tile_fits<T>(kernel.query_tile, S);
   const bool grouped = !tiled && !call.weights;

@@ -39,6 +39,9 @@ struct SdpaShape {
   // the tile path reads the keys and the values as bfloat16 pairs, or as
   // float32 copies (KernelFacts::bf16_pairs).
   bool bf16_products = false;
+  // Integer products over int8 keys and values (Precision::kInt8): the row
+  // path, whatever the number of queries (its kernels alone have them).
+  bool int8_products = false;
   bool values_on_lines = true; // the value rows of (0, 0) start on cache lines
 };
 

@@ -12,7 +12,12 @@
 
 #include "attention/sdpa_rows.h"
 
+#include "kernels/int8_table.h"
+
 namespace attnx::sdpa {
+
+// A block's probabilities are quantized on the stack of the int8 kernels.
+static_assert(kKeyBlock <= kInt8MaxBlock);
 
 template <typename T>
 void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0, int64_t r1,
@@ -79,9 +84,25 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   if constexpr (std::is_same_v<T, float>) kt16 = c.bf16 ? c.bf16->kt16 : nullptr;
   const bool rounded_keys = kt16 && !keys.stored();
   const bool rounded_values = kt16 && !values.stored();
-  const bool listed_keys = rounded_keys || (keys.blocks && (direct_keys || !keys.stored()));
+  // With int8 products (an int8 cache) every block is listed and read in
+  // place by the int8 kernels, for any number of rows, against the query
+  // rows quantized once for the call.
+  const Int8KernelTable* kt8 = nullptr;
+  const int8_t* q8_rows[kQueryBlock];
+  float q8_scales[kQueryBlock];
+  if constexpr (std::is_same_v<T, float>) {
+    if (c.int8) {
+      kt8 = &active_int8_kernels();
+      for (int64_t r = 0; r < rows; ++r) {
+        q8_rows[r] = c.int8->row(b, head[r], row[r]);
+        q8_scales[r] = c.int8->scale(b, head[r], row[r]);
+      }
+    }
+  }
+  const bool listed_keys =
+      kt8 || rounded_keys || (keys.blocks && (direct_keys || !keys.stored()));
   const bool listed_values =
-      rounded_values || (values.blocks && (direct_values || !values.stored()));
+      kt8 || rounded_values || (values.blocks && (direct_values || !values.stored()));
   // A block's rows listed, and the next rows (to be asked for ahead, as the
   // kernels do within a block: at a block's start a contiguous cache has
   // the hardware prefetchers' stream going, a paged one not).
@@ -109,8 +130,11 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
         if (rounded_keys)
           kt16->scores_rounded(q_rows, n_rows, reinterpret_cast<const float* const*>(listed), n,
                                n + ahead, E, a.query_scale(), s_rows);
+        else if (kt8)
+          kt8->scores(q8_rows, q8_scales, n_rows, reinterpret_cast<const int8_t* const*>(listed),
+                      listed_scales, n, n + ahead, E, s_rows);
       }
-      if (!rounded_keys)
+      if (!rounded_keys && !kt8)
         kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, n + ahead,
                          E, a.query_scale(), s_rows);
     } else if constexpr (std::is_same_v<T, float>) {
@@ -173,8 +197,11 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
         if (rounded_values)
           kt16->accumulate_pv_rounded(p_plain, plain, reinterpret_cast<const float* const*>(listed),
                                       n, n + ahead, Ev, acc_plain);
+        else if (kt8)
+          kt8->accumulate_pv(p_plain, plain, reinterpret_cast<const int8_t* const*>(listed),
+                             listed_scales, n, n + ahead, Ev, acc_plain);
       }
-      if (!rounded_values)
+      if (!rounded_values && !kt8)
         kt.accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n,
                               n + ahead, Ev, acc_plain);
     } else if (direct_values) {

@@ -17,6 +17,7 @@ void register_sdpa(py::module_& m);
 void register_sdpa_testing(py::module_& testing);
 void register_testing(py::module_& testing);
 void register_testing_bf16(py::module_& testing);
+void register_testing_int8(py::module_& testing);
 void register_testing_narrowing(py::module_& testing);
 void register_testing_planner(py::module_& testing);
 void register_transformer(py::module_& m);
@@ -42,6 +43,7 @@ PYBIND11_MODULE(_core, m) {
       "_testing", "Hooks for attnx's own tests (private, no API; see attnx._testing).");
   attnx::bindings::register_testing(testing);
   attnx::bindings::register_testing_bf16(testing);
+  attnx::bindings::register_testing_int8(testing);
   attnx::bindings::register_testing_narrowing(testing);
   attnx::bindings::register_sdpa_testing(testing);
   attnx::bindings::register_mha_testing(testing);

@@ -34,7 +34,7 @@ struct SdpaOptions {
   bool enable_gqa = false;
   double softcap = 0;
   int scores = -1;
-  int precision = 0;  // 0 native, 1 bfloat16
+  int precision = 0;  // 0 native, 1 bfloat16, 2 int8
 };
 
 // kFloat16 or kBFloat16 for an array of native 16-bit floats, else kNative.
@@ -104,7 +104,7 @@ void apply_options(const SdpaOptions& o, int64_t S, SdpaArgs<T>& a) {
   // (whose c * tanh(s / c) is NaN): a finite score keeps its value, an
   // infinite one becomes the largest, as in the reference's wider range.
   a.softcap = static_cast<T>(std::min(o.softcap, double(std::numeric_limits<T>::max())));
-  a.precision = checked_precision(o.precision, std::is_same_v<T, double>);
+  a.precision = checked_precision(o.precision, std::is_same_v<T, double>, true);
 }
 
 // Sequence b of packed rows: rows cu[b] .. cu[b + 1] - 1 of `rows` rows.

@@ -10,6 +10,7 @@
 
 #include "attnx/runtime.h"
 #include "kernels/bf16_table.h"
+#include "kernels/int8_table.h"
 #include "kernels/kernel_table.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -78,10 +79,13 @@ bool cpu_has_f16c() {
   return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
 }
 // AVX512_BF16 (vdpbf16ps, vcvtne[2]ps2bf16): CPUID leaf 7, subleaf 1, EAX
-// bit 5; its registers are AVX-512's, checked with the AVX-512 level.
-bool cpu_has_avx512_bf16() {
+// bit 5; and AVX512_VNNI (vpdpbusd), leaf 7, subleaf 0, ECX bit 11, which
+// every CPU with the first has too: the avx512_bf16 level needs both. Their
+// registers are AVX-512's, checked with the AVX-512 level.
+bool cpu_has_avx512_bf16_and_vnni() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5)) != 0;
+  const bool bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5)) != 0;
+  return bf16 && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 11)) != 0;
 }
 }  // namespace
 #endif
@@ -97,7 +101,7 @@ Isa detect_cpu_isa() {
   if (!avx2) return Isa::kScalar;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return cpu_has_avx512_bf16() ? Isa::kAvx512Bf16 : Isa::kAvx512;
+    return cpu_has_avx512_bf16_and_vnni() ? Isa::kAvx512Bf16 : Isa::kAvx512;
   return Isa::kAvx2;
 #else
   return Isa::kScalar;
@@ -178,5 +182,21 @@ const Bf16KernelTable* bf16_kernels_of(Isa level) {
 // The active level always has its table: choose_isa picks none above the
 // build's best.
 const Bf16KernelTable& active_bf16_kernels() { return *bf16_kernels_of(active_isa()); }
+
+const Int8KernelTable* int8_kernels_of(Isa level) {
+  switch (level) {
+#if defined(ATTNX_HAVE_AVX512BF16_KERNELS)
+    case Isa::kAvx512Bf16: return &avx512_vnni_int8_kernels();
+#endif
+#if defined(ATTNX_HAVE_X86_KERNELS)
+    case Isa::kAvx512: return &avx512_int8_kernels();
+    case Isa::kAvx2: return &avx2_int8_kernels();
+#endif
+    case Isa::kScalar: return &scalar_int8_kernels();
+    default: return nullptr;
+  }
+}
+
+const Int8KernelTable& active_int8_kernels() { return *int8_kernels_of(active_isa()); }
 
 }  // namespace attnx

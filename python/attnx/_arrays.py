@@ -274,23 +274,35 @@ def additive_mask(mask, dtype: np.dtype, name: str, true_means_masked: bool) -> 
     raise TypeError(f"{name} must be a bool or floating-point array, got dtype {m.dtype}")
 
 
-# precision= and the core's code of it: the products' operands in the compute dtype (0), or
-# rounded to bfloat16 with float32 sums (1).
-PRECISION_NAMES = ("float32", "bfloat16")
-_PRECISION_CODES = {None: 0, "float32": 0, "bfloat16": 1}
+# precision= and the core's code of it: the products' operands in the compute dtype (0),
+# rounded to bfloat16 with float32 sums (1), or int8 with int32 sums (2: attention over an int8
+# cache only).
+PRECISION_NAMES = ("float32", "bfloat16", "int8")
+_PRECISION_CODES = {None: 0, "float32": 0, "bfloat16": 1, "int8": 2}
 
 
-def precision_code(precision, dtype=None, what: str = "query", fix: str = "") -> int:
-    """The core's code of a ``precision`` argument: 0 for None or "float32", 1 for "bfloat16".
+def precision_code(precision, dtype=None, what: str = "query", fix: str = "", int8_cache=None) -> int:
+    """The core's code of a ``precision`` argument: 0 for None or "float32", 1 for "bfloat16",
+    2 for "int8".
 
     Anything else raises ValueError naming the choices. "bfloat16" computes in float32, so a
     float64 compute dtype (`dtype`, decided by `what`) raises ValueError that says how to fix
-    the call (`fix`, by default converting `what` to float32).
+    the call (`fix`, by default converting `what` to float32). "int8" multiplies int8 keys and
+    values: only attention over a cache takes it (`int8_cache`: whether the cache is int8;
+    None where the call has no cache), and ValueError says so otherwise.
     """
     code = _PRECISION_CODES.get(precision) if precision is None or isinstance(precision, str) else None
-    if code is None:
-        raise ValueError(f"precision must be None, 'float32' or 'bfloat16', got {precision!r}")
-    if code and dtype is not None and np.dtype(dtype) == np.float64:
+    if code is None or (code == 2 and int8_cache is None):
+        choices = "None, 'float32', 'bfloat16' or 'int8'" if int8_cache is not None else "None, 'float32' or 'bfloat16'"
+        hint = (" ('int8' is for attention over an int8 KVCache or PagedKVCache: cached_attention, "
+                "paged_attention)" if code == 2 else "")
+        raise ValueError(f"precision must be {choices}, got {precision!r}{hint}")
+    if code == 2 and not int8_cache:
+        raise ValueError(
+            f"precision='int8' multiplies int8 keys and values, but {what} is not int8: make the cache "
+            f"with dtype=np.int8, or use precision=None or 'bfloat16'"
+        )
+    if code == 1 and dtype is not None and np.dtype(dtype) == np.float64:
         fix = fix or f"convert {what} to float32 ({what}.astype(np.float32))"
         raise ValueError(
             f"precision='bfloat16' computes in float32 (bfloat16 operands, float32 sums), but {what} is "

@@ -227,6 +227,22 @@ class _TestingModule:
         repeat: int = 1,
     ) -> None: ...
     @staticmethod
+    def int8_scores(
+        q: npt.NDArray[np.int8],
+        q_scales: npt.NDArray[np.float32],
+        k: npt.NDArray[np.int8],
+        k_scales: npt.NDArray[np.float32],
+        table: str | None = None,
+    ) -> npt.NDArray[np.float32]: ...
+    @staticmethod
+    def int8_accumulate_pv(
+        p: npt.NDArray[np.float32],
+        v: npt.NDArray[np.int8],
+        v_scales: npt.NDArray[np.float32],
+        acc: npt.NDArray[np.float32],
+        table: str | None = None,
+    ) -> None: ...
+    @staticmethod
     def gemm_f32(
         a: npt.NDArray[np.float32],
         b: npt.NDArray[np.float32],

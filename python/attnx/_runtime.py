@@ -78,13 +78,15 @@ def show_config() -> Config:
         the CPU supports), ``kernels`` (the kernels this build has, lowest
         first: ``["scalar", "avx2", "avx512"]`` on x86-64, ``["scalar"]``
         elsewhere), ``precisions`` (the kernels of each ``precision=``'s
-        products: ``{"float32": isa, "float64": isa, "bfloat16": b}``, ``b``
-        ``"avx512_bf16"`` where they run on AVX512_BF16's ``vdpbf16ps``,
-        ``isa + " (float32 products)"`` where they run as float32
-        multiply-adds of the rounded operands (CPUs whose ``vdpbf16ps`` is
-        no faster than those, or that have none), ``isa + " (emulated)"``
-        with ``ATTNX_BF16_PRODUCTS=pairs`` on the others), ``threads``,
-        ``openmp`` (bool) and ``compiler``.
+        products: ``{"float32": isa, "float64": isa, "bfloat16": b, "int8":
+        i}``, ``b`` ``"avx512_bf16"`` where they run on AVX512_BF16's
+        ``vdpbf16ps``, ``isa + " (float32 products)"`` where they run as
+        float32 multiply-adds of the rounded operands (CPUs whose
+        ``vdpbf16ps`` is no faster than those, or that have none), ``isa +
+        " (emulated)"`` with ``ATTNX_BF16_PRODUCTS=pairs`` on the others;
+        ``i`` ``"avx512_vnni"`` where the integer products run on
+        ``vpdpbusd``, else ``isa + " (float32 products)"``: the same sums,
+        exact in float32), ``threads``, ``openmp`` (bool) and ``compiler``.
 
     Examples
     --------

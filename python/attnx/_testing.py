@@ -14,6 +14,8 @@ bf16_round = _hooks.bf16_round
 core_sharing = _hooks.core_sharing
 core_wait_ns = _hooks.core_wait_ns
 gemm_f32 = _hooks.gemm_f32
+int8_accumulate_pv = _hooks.int8_accumulate_pv
+int8_scores = _hooks.int8_scores
 trace_balanced_loop = _hooks.trace_balanced_loop
 widen_16bit = _hooks.widen_16bit
 narrow_16bit = _hooks.narrow_16bit
@@ -34,6 +36,8 @@ __all__ = [
     "core_wait_ns",
     "gemm_f32",
     "fail_next_step",
+    "int8_accumulate_pv",
+    "int8_scores",
     "run_mha",
     "kernel_facts",
     "narrow_16bit",

@@ -23,6 +23,8 @@ ActivationFunction = Callable[[FloatArray], npt.ArrayLike]
 
 #: A ``precision=`` of the entry points and modules (None is "float32").
 Precision = Literal["float32", "bfloat16"]
+#: A ``precision=`` of attention over a cache: also "int8" (an int8 cache's integer products).
+CachePrecision = Literal["float32", "bfloat16", "int8"]
 
 #: The int64 lengths of a KVCache.
 IntArray = npt.NDArray[np.int64]

@@ -48,7 +48,7 @@ from .cache import KVCache
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import FloatArray, IntArray, Precision
+    from ._typing import CachePrecision, FloatArray, IntArray, Precision
     from .rotary import RotaryEmbedding
 
 __all__ = [
@@ -453,7 +453,7 @@ def cached_attention(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
-    precision: Precision | None = None,
+    precision: CachePrecision | None = None,
     out: FloatArray | None = None,
 ) -> FloatArray:
     """Attention of the newest tokens of each sequence over a :class:`KVCache`.
@@ -504,11 +504,14 @@ def cached_attention(
         aligned): query ``t`` attends only keys ``j >= lengths_b - n_b + t - left``.
     softcap : float, optional, keyword-only
         Soft-capped scores, as in :func:`scaled_dot_product_attention`.
-    precision : {None, "float32", "bfloat16"}, optional, keyword-only
+    precision : {None, "float32", "bfloat16", "int8"}, optional, keyword-only
         The products' precision, as in :func:`scaled_dot_product_attention`:
         ``"bfloat16"`` rounds the scaled queries, the cached keys and values
         (widened from the cache's dtype) and the probabilities to bfloat16.
-        Not with a float64 cache (ValueError).
+        Not with a float64 cache (ValueError). ``"int8"`` (an int8 cache
+        only) quantizes the query rows as the cache quantizes its rows and
+        the probabilities per block of 128 keys, and multiplies integers
+        (docs/api.md, "Precision").
     out : ndarray, optional, keyword-only
         C-contiguous array of the result's shape and dtype to write into.
 
@@ -542,7 +545,8 @@ def cached_attention(
     cache = check_cache(cache)
     result_dtype, _ = result_and_compute_dtype(query)
     code = 0 if precision is None else precision_code(
-        precision, _cache_compute_dtype(cache), "the cache", "use a KVCache of float32, float16, bfloat16 or int8")
+        precision, _cache_compute_dtype(cache), "the cache", "use a KVCache of float32, float16, bfloat16 or int8",
+        int8_cache=cache.dtype == np.int8)
     q = as_float(query, result_dtype, "query")
     B, Hkv, E = cache.batch, cache.num_kv_heads, cache.head_dim
     if q.ndim != 4 or q.shape[0] != B or q.shape[3] != E or q.shape[1] == 0 or q.shape[1] % Hkv != 0:

@@ -35,7 +35,7 @@ from .cache import CacheScales, _quantize, _read_only, _storage_dtype, _zeros_on
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import FloatArray, IntArray, Precision
+    from ._typing import CachePrecision, FloatArray, IntArray
     from .rotary import RotaryEmbedding
 
 __all__ = ["CacheFullError", "PagedKVCache", "paged_attention"]
@@ -602,7 +602,7 @@ def paged_attention(
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
-    precision: Precision | None = None,
+    precision: CachePrecision | None = None,
     out: FloatArray | None = None,
 ) -> FloatArray:
     """One step of continuous batching over a :class:`PagedKVCache`.
@@ -642,8 +642,9 @@ def paged_attention(
         Sliding window, bottom-right aligned: query ``p`` attends keys ``p - left .. p``.
     softcap : float, optional, keyword-only
         Soft-capped scores, as in :func:`attnx.scaled_dot_product_attention`.
-    precision : {None, "float32", "bfloat16"}, optional, keyword-only
-        The products' precision, as in :func:`attnx.cached_attention`.
+    precision : {None, "float32", "bfloat16", "int8"}, optional, keyword-only
+        The products' precision, as in :func:`attnx.cached_attention` (``"int8"``:
+        an int8 cache only).
     out : ndarray, optional, keyword-only
         C-contiguous array of the result's shape and dtype to write into.
 
@@ -676,7 +677,8 @@ def paged_attention(
     result_dtype, _ = result_and_compute_dtype(query)
     compute = np.dtype(np.float64) if cache.dtype == np.float64 else np.dtype(np.float32)
     code = 0 if precision is None else precision_code(
-        precision, compute, "the cache", "use a PagedKVCache of float32, float16, bfloat16 or int8")
+        precision, compute, "the cache", "use a PagedKVCache of float32, float16, bfloat16 or int8",
+        int8_cache=cache.dtype == np.int8)
     q = as_float(query, result_dtype, "query")
     Hk, E = cache.num_kv_heads, cache.head_dim
     if q.ndim != 3 or q.shape[0] != total or q.shape[2] != E or q.shape[1] == 0 or q.shape[1] % Hk != 0:

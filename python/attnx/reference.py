@@ -38,6 +38,16 @@ The semantics are PyTorch's (``torch.nn.functional.scaled_dot_product_attention`
   their online softmax rounds each block's probabilities against the running maximum, so their
   results differ from this reference by a small bound (docs/api.md, "Precision"), not bit for
   bit; without it they agree to the contract's tolerances.
+* ``precision="int8"`` (:func:`cached_attention` alone: the call over an int8 cache, whose
+  rows ``key`` and ``value`` hold as ``scale * q``) quantizes each query row as the cache
+  quantizes its rows (``scale = max|x| / 127`` in float32, ``q = rint(x / scale)``) and each
+  key and value row again (which gives back the cache's integers), multiplies the integers
+  exactly, and quantizes the probabilities per block of 128 keys from key 0: with
+  ``w_j = p_j * value_scale_j`` and the block's largest ``w``, ``top``, ``p8_j =
+  rint(127 * w_j / top)``, and the block adds ``top / 127 * sum_j p8_j * v8_j``; the sum is
+  divided by the sum of the unquantized probabilities. The kernels run the softmax online in
+  float32, so a level may land one step apart where ``127 * w_j / top`` is within rounding of
+  a half; they agree to the bound of docs/api.md.
 
 Only NumPy is imported.
 """
@@ -54,7 +64,7 @@ from ._arrays import precision_code
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-    from ._typing import ActivationFunction, FloatArray, Precision
+    from ._typing import ActivationFunction, CachePrecision, FloatArray, Precision
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -96,11 +106,12 @@ def _as_float(array, dtype, name):
     return array.astype(dtype, copy=False)
 
 
-def _operands(query, key, value, precision, ndim, what):
+def _operands(query, key, value, precision, ndim, what, int8_cache=None):
     """(q, k, v, compute dtype): the operands of a call in its compute dtype, each of `ndim`
-    dimensions (ValueError saying `what` otherwise); the precision checked against the dtype."""
+    dimensions (ValueError saying `what` otherwise); the precision checked against the dtype
+    (`int8_cache`: as precision_code takes it)."""
     dtype = _compute_dtype(query)
-    precision_code(precision, dtype)
+    precision_code(precision, dtype, int8_cache=int8_cache)
     q, k, v = (_as_float(x, dtype, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
     if q.ndim != ndim or k.ndim != ndim or v.ndim != ndim:
         raise ValueError(f"query, key and value must be {what}, got {q.shape}, {k.shape}, {v.shape}")
@@ -131,6 +142,46 @@ def _round_bfloat16(x):
 def _bfloat16_operand(x):
     """An operand of a product with precision "bfloat16": rounded, as float64 (exact)."""
     return _round_bfloat16(x).astype(np.float64)
+
+
+def _quantize_rows_int8(x):
+    """(integers, scales): each last-axis row of ``x`` quantized as an int8 cache row is, in
+    float32: ``scale = max|x| / 127``, ``q = clip(rint(x / scale), -127, 127)``; a row of zeros
+    has scale 0 and q 0, a row holding NaN or an infinity scale NaN and q 0. Both as float64
+    (exact), the scales with a trailing axis of 1."""
+    x32 = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        finite = np.isfinite(x32).all(axis=-1, keepdims=True)
+        top = np.max(np.abs(np.where(np.isfinite(x32), x32, 0)), axis=-1, keepdims=True, initial=0)
+        scale = np.where(finite, top / np.float32(127), np.float32(np.nan)).astype(np.float32)
+        levels = np.where(scale > 0, np.clip(np.rint(x32 / scale), -127, 127), 0)
+    return levels.astype(np.float64), scale.astype(np.float64)
+
+
+# Keys per block whose probabilities precision "int8" quantizes together (the kernels' blocks).
+_INT8_BLOCK = 128
+
+
+def _int8_probabilities_times_values(exps, v):
+    """sum_j p8_j v8_j per block of _INT8_BLOCK keys, times the block's top / 127, summed over
+    the blocks (see the module's notes): exps ``(..., L, S)`` unnormalized probabilities, v
+    ``(..., S, Ev)`` the values as stored."""
+    v8, vs = _quantize_rows_int8(v)
+    w = exps * np.swapaxes(vs, -1, -2)  # (..., L, S)
+    S = w.shape[-1]
+    blocks = -(-S // _INT8_BLOCK)
+    pad = blocks * _INT8_BLOCK - S
+    w = np.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
+    v8 = np.pad(v8, [(0, 0)] * (v8.ndim - 2) + [(0, pad), (0, 0)])
+    w = w.reshape(w.shape[:-1] + (blocks, _INT8_BLOCK))  # (..., L, B, 128)
+    v8 = v8.reshape(v8.shape[:-2] + (blocks, _INT8_BLOCK, v8.shape[-1]))  # (..., B, 128, Ev)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        nan = np.isnan(w).any(axis=-1, keepdims=True)
+        top = np.max(np.where(np.isnan(w), 0, w), axis=-1, keepdims=True, initial=0)
+        levels = np.where(top > 0, np.rint(np.clip(np.nan_to_num(w / top * 127), 0, 127)), 0)
+        sums = np.einsum("...lbk,...bkd->...lbd", levels, v8)  # exact integers
+        factor = np.where(nan, np.nan, top / 127)
+    return (sums * factor).sum(axis=-2)
 
 
 def _mask_to_bias(mask, name, dtype, true_means_masked):
@@ -203,28 +254,34 @@ def _causal_bias(tgt_len, src_len, dtype, bottom_right=False, window=None, causa
 # ---------------------------------------------------------------------------------------------
 
 
-def _attention(q, k, v, bias, scale, softcap=None, stages=None, bfloat16=False):
+def _attention(q, k, v, bias, scale, softcap=None, stages=None, products=0):
     """softmax(scale * q @ k^T + bias) @ v, with attnx's rules for masked keys.
 
     q ``(..., L, E)``, k ``(..., S, E)``, v ``(..., S, Ev)``, bias broadcastable to
     ``(..., L, S)`` or None. A key is masked for a query row where its bias is -inf. With
     ``softcap``, the scores become ``softcap * tanh(scores / softcap)`` before the bias.
     Returns ``(output (..., L, Ev), weights (..., L, S))``; a dict ``stages`` receives the
-    scores at each stage ("qk", "softcapped", "masked", "softmax"). With ``bfloat16`` (float32
-    q, k, v), the products' operands are rounded to bfloat16 and the rest is float64: the
-    results are float64 (see the module's notes).
+    scores at each stage ("qk", "softcapped", "masked", "softmax"). ``products`` is the
+    precision's code (precision_code): with 1 (bfloat16; float32 q, k, v), the products'
+    operands are rounded to bfloat16, with 2 (int8) they are quantized, and the rest is float64:
+    the results are float64 (see the module's notes).
     """
     # NaN/Inf in the inputs are meant to propagate; numpy's warnings about them are noise.
     with np.errstate(invalid="ignore", over="ignore"):
-        return _attention_core(q, k, v, bias, scale, softcap, {} if stages is None else stages, bfloat16)
+        return _attention_core(q, k, v, bias, scale, softcap, {} if stages is None else stages, products)
 
 
-def _attention_core(q, k, v, bias, scale, softcap, stages, bfloat16):
-    # Scaling q first (rather than the scores) is what torch does and keeps E = 0 finite.
-    q = q * q.dtype.type(scale)
-    if bfloat16:
-        q, k, v = _bfloat16_operand(q), _bfloat16_operand(k), _bfloat16_operand(v)
-    scores = np.matmul(q, np.swapaxes(k, -1, -2))
+def _attention_core(q, k, v, bias, scale, softcap, stages, products):
+    bfloat16, int8 = products == 1, products == 2
+    if int8:
+        (q8, qs), (k8, ks) = _quantize_rows_int8(q), _quantize_rows_int8(k)
+        scores = (scale * qs * np.swapaxes(ks, -1, -2)) * np.matmul(q8, np.swapaxes(k8, -1, -2))
+    else:
+        # Scaling q first (rather than the scores) is what torch does and keeps E = 0 finite.
+        q = q * q.dtype.type(scale)
+        if bfloat16:
+            q, k, v = _bfloat16_operand(q), _bfloat16_operand(k), _bfloat16_operand(v)
+        scores = np.matmul(q, np.swapaxes(k, -1, -2))
     stages["qk"] = scores
     if softcap is not None:
         scores = softcap * np.tanh(scores / softcap)
@@ -249,6 +306,8 @@ def _attention_core(q, k, v, bias, scale, softcap, stages, bfloat16):
     weights = weights.astype(scores.dtype, copy=False)
     stages["softmax"] = weights
 
+    if int8:
+        return _int8_probabilities_times_values(exps, v) / denom, weights
     # With bfloat16 products, the unnormalized probabilities are rounded and their product
     # with the values is divided by the sum of the unrounded ones.
     factors, divisor = (_bfloat16_operand(exps), denom) if bfloat16 else (weights, None)
@@ -361,8 +420,15 @@ def scaled_dot_product_attention(
     >>> bool(np.allclose(attnx.scaled_dot_product_attention(q, k, v, is_causal="bottom_right"), expected))
     True
     """
+    products = precision_code(precision, _compute_dtype(query))
+    return _scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                         enable_gqa, window, softcap, return_scores, products)
+
+
+def _scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                  enable_gqa, window, softcap, return_scores, products):
+    """scaled_dot_product_attention with the precision's code (precision_code) checked."""
     dtype = _compute_dtype(query)
-    bfloat16 = precision_code(precision, dtype) == 1
     q = _as_float(query, dtype, "query")
     k = _as_float(key, dtype, "key")
     v = _as_float(value, dtype, "value")
@@ -431,7 +497,7 @@ def scaled_dot_product_attention(
             raise ValueError(f"scale must be finite, got {scale}")
 
     stages = {}
-    output, _ = _attention(q, k, v, bias, scale, softcap, stages, bfloat16)
+    output, _ = _attention(q, k, v, bias, scale, softcap, stages, products)
     output = output.astype(dtype, copy=False)
     if return_scores is None:
         return output
@@ -734,7 +800,7 @@ def multi_head_attention_forward(
 
     # --- Attention and out-projection ---------------------------------------------------
     scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    heads_out, weights = _attention(q, k, v, bias, scale, bfloat16=bfloat16)  # (N*H, L, hd), (N*H, L, S')
+    heads_out, weights = _attention(q, k, v, bias, scale, products=int(bfloat16))  # (N*H, L, hd), (N*H, L, S')
     heads_out = heads_out.astype(dtype, copy=False)
 
     # Merge heads back: (N * H, L, hd) -> (L, N, H * hd).
@@ -776,7 +842,7 @@ def cached_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     *,
-    precision: Precision | None = None,
+    precision: CachePrecision | None = None,
 ) -> FloatArray:
     """Reference attention of each sequence's newest tokens over its cached keys.
 
@@ -805,9 +871,10 @@ def cached_attention(
         As in :func:`scaled_dot_product_attention` (bottom-right aligned).
     softcap : float, optional
         As in :func:`scaled_dot_product_attention`.
-    precision : {None, "float32", "bfloat16"}, optional, keyword-only
-        ``"bfloat16"``: the operands of every product rounded to bfloat16 (see the module's
-        notes); float32 (or half-precision) inputs only.
+    precision : {None, "float32", "bfloat16", "int8"}, optional, keyword-only
+        ``"bfloat16"``: the operands of every product rounded to bfloat16; ``"int8"``: the
+        integer products of an int8 cache, whose rows ``key`` and ``value`` hold (see the
+        module's notes); float32 (or half-precision) inputs only.
 
     Returns
     -------
@@ -836,7 +903,8 @@ def cached_attention(
     >>> bool(np.allclose(out[:1], full))     # sequence 0: its 2 newest of 5 tokens
     True
     """
-    q, k, v, dtype = _operands(query, key, value, precision, 4, "4-D")
+    q, k, v, dtype = _operands(query, key, value, precision, 4, "4-D", int8_cache=True)
+    products = precision_code(precision, dtype, int8_cache=True)
     batch, _, tgt_len, _ = q.shape
     src_len = k.shape[2]
     key_lengths = np.asarray(key_lengths)
@@ -853,9 +921,9 @@ def cached_attention(
     output = np.zeros(q.shape[:3] + v.shape[3:], dtype=dtype)
     for b in range(batch):
         n, m = int(query_lengths[b]), int(key_lengths[b])
-        output[b, :, :n] = scaled_dot_product_attention(
-            q[b, :, :n], k[b, :, :m], v[b, :, :m], is_causal="bottom_right", scale=scale,
-            enable_gqa=True, window=window, softcap=softcap, precision=precision,
+        output[b, :, :n] = _scaled_dot_product_attention(
+            q[b, :, :n], k[b, :, :m], v[b, :, :m], None, 0.0, "bottom_right", scale, True, window,
+            softcap, None, products,
         )
     return output
 

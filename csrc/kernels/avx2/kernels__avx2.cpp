@@ -2,6 +2,7 @@
 // -mf16c; it runs only where the dispatcher found all three in CPUID.
 #include "kernels/simd/attention_kernels.h"
 #include "kernels/simd/bf16_kernels.h"
+#include "kernels/simd/int8_kernels.h"
 #include "kernels/simd/vec_avx2.h"
 
 namespace attnx {
@@ -22,6 +23,13 @@ const KernelTable<double>& avx2_kernels_f64() {
 const Bf16KernelTable& avx2_bf16_kernels() {
   static const Bf16KernelTable table = simd::Bf16Kernels<simd::Avx2F32, false>::table(
       "bf16_products__avx2_fma_emulated_mr4_nr16", Isa::kAvx2);
+  return table;
+}
+
+// The int8 products on the float32 row kernels (see simd/int8_kernels.h).
+const Int8KernelTable& avx2_int8_kernels() {
+  static const Int8KernelTable table =
+      simd::FloatExactInt8Kernels<avx2_kernels_f32>::table("int8_products__avx2", Isa::kAvx2);
   return table;
 }
 

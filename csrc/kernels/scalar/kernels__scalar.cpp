@@ -2,6 +2,7 @@
 // for the baseline instruction set of any CPU (and any architecture).
 #include "kernels/simd/attention_kernels.h"
 #include "kernels/simd/bf16_kernels.h"
+#include "kernels/simd/int8_kernels.h"
 #include "kernels/simd/vec_portable.h"
 
 namespace attnx {
@@ -22,6 +23,13 @@ const KernelTable<double>& scalar_kernels_f64() {
 const Bf16KernelTable& scalar_bf16_kernels() {
   static const Bf16KernelTable table = simd::Bf16Kernels<simd::Portable<float>, false>::table(
       "bf16_products__scalar_emulated_mr4_nr16", Isa::kScalar);
+  return table;
+}
+
+// The int8 products on the float32 row kernels (see simd/int8_kernels.h).
+const Int8KernelTable& scalar_int8_kernels() {
+  static const Int8KernelTable table =
+      simd::FloatExactInt8Kernels<scalar_kernels_f32>::table("int8_products__scalar", Isa::kScalar);
   return table;
 }
 

@@ -1,0 +1,323 @@
+// The int8 products (kernels/int8_table.h) on AVX512_VNNI: vpdpbusd sums
+// four products of unsigned and signed bytes into each int32 lane. The same
+// bits as the plain loops of int8_kernels.h: exact integer sums, the same
+// float32 steps around them. Included by the avx512_bf16 level's file alone
+// (compiled with -mavx512vnni).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels/simd/int8_kernels.h"
+
+namespace attnx::simd {
+namespace {
+
+struct Avx512VnniInt8Kernels {
+  // The first n < 64 bytes of p (all 64 for n >= 64), zeros after.
+  static __mmask64 bytes_mask(int64_t n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1; }
+  static __m512i load_bytes(const int8_t* p, __mmask64 mask) {
+    return _mm512_maskz_loadu_epi8(mask, p);
+  }
+
+  // The first n lanes of 16 (none for n <= 0).
+  static __mmask16 lanes_mask(int64_t n) {
+    return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+  }
+
+  // Per 128-bit lane L: [sum of a0's lane L, a1's, a2's, a3's].
+  static __m512i lane_sums4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+  }
+  // [sum a0, sum a1, sum a2, sum a3] of four vectors' int32 lanes.
+  static __m128i sum4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i u = lane_sums4(a0, a1, a2, a3);
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  }
+  // sum4 of four rows' four vectors at once: 128-bit lane r holds row r's.
+  static __m512i sum4x4(const __m512i (&a)[4][4]) {
+    const __m512i u0 = lane_sums4(a[0][0], a[0][1], a[0][2], a[0][3]);
+    const __m512i u1 = lane_sums4(a[1][0], a[1][1], a[1][2], a[1][3]);
+    const __m512i u2 = lane_sums4(a[2][0], a[2][1], a[2][2], a[2][3]);
+    const __m512i u3 = lane_sums4(a[3][0], a[3][1], a[3][2], a[3][3]);
+    const __m512i w01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0x44), _mm512_shuffle_i32x4(u0, u1, 0xEE));
+    const __m512i w23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u2, u3, 0x44), _mm512_shuffle_i32x4(u2, u3, 0xEE));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(w01, w23, 0x88), _mm512_shuffle_i32x4(w01, w23, 0xDD));
+  }
+
+  // Scores of R query rows, four keys at a time. vpdpbusd multiplies
+  // unsigned bytes by signed ones: the keys go in as k + 128 (unsigned), and
+  // each row's sum loses 128 * sum_i q_i again. C: the 64-byte chunks of a
+  // row where dim is 64 C (the loads whole, the loop unrolled), else 0.
+  template <int R, int C>
+  static void scores_group(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
+                           const float* k_scales, int64_t n_keys, int64_t listed, int64_t dim,
+                           float* const* dst, int64_t ahead) {
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    int32_t offset[R];
+    for (int r = 0; r < R; ++r) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < dim; ++i) sum += q[r][i];
+      offset[r] = 128 * sum;
+    }
+    const int64_t chunks = C ? C : (dim + 63) / 64;
+    // Four rows: their offsets and scales by 128-bit lane (sum4x4's order).
+    __m512i offsets = _mm512_setzero_si512();
+    __m512 row_scales = _mm512_setzero_ps();
+    if constexpr (R == 4) {
+      offsets = _mm512_set_epi32(offset[3], offset[3], offset[3], offset[3], offset[2], offset[2],
+                                 offset[2], offset[2], offset[1], offset[1], offset[1], offset[1],
+                                 offset[0], offset[0], offset[0], offset[0]);
+      row_scales = _mm512_set_ps(q_scales[3], q_scales[3], q_scales[3], q_scales[3], q_scales[2],
+                                 q_scales[2], q_scales[2], q_scales[2], q_scales[1], q_scales[1],
+                                 q_scales[1], q_scales[1], q_scales[0], q_scales[0], q_scales[0],
+                                 q_scales[0]);
+    }
+    int64_t j = 0;
+    for (; j + 4 <= n_keys; j += 4) {
+      if (ahead && j + ahead + 4 <= listed)
+        for (int u = 0; u < 4; ++u) prefetch_rows(k[j + ahead + u], 0, 1, dim);
+      const int8_t* kr[4] = {k[j], k[j + 1], k[j + 2], k[j + 3]};
+      __m512i acc[R][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __mmask64 mask = C ? ~__mmask64(0) : bytes_mask(dim - 64 * c);
+        __m512i ku[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u)
+          ku[u] = _mm512_xor_si512(C ? _mm512_loadu_si512(kr[u] + 64 * c)
+                                     : load_bytes(kr[u] + 64 * c, mask),
+                                   bias);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m512i qv = C ? _mm512_loadu_si512(q[r] + 64 * c) : load_bytes(q[r] + 64 * c, mask);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], ku[u], qv);
+        }
+      }
+      if constexpr (R == 4) {
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum4x4(acc), offsets));
+        const __m512 factor = _mm512_mul_ps(row_scales, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
+        const __m512 s4 = _mm512_mul_ps(factor, sums);
+        _mm_storeu_ps(dst[0] + j, _mm512_castps512_ps128(s4));
+        _mm_storeu_ps(dst[1] + j, _mm512_extractf32x4_ps(s4, 1));
+        _mm_storeu_ps(dst[2] + j, _mm512_extractf32x4_ps(s4, 2));
+        _mm_storeu_ps(dst[3] + j, _mm512_extractf32x4_ps(s4, 3));
+        continue;
+      }
+      const __m128 ks = _mm_loadu_ps(k_scales + j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m128i sums = _mm_sub_epi32(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]),
+                                           _mm_set1_epi32(offset[r]));
+        const __m128 factor = _mm_mul_ps(_mm_set1_ps(q_scales[r]), ks);
+        _mm_storeu_ps(dst[r] + j, _mm_mul_ps(factor, _mm_cvtepi32_ps(sums)));
+      }
+    }
+    for (; j < n_keys; ++j) {
+      __m512i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+      for (int64_t i = 0; i < dim; i += 64) {
+        const __mmask64 mask = bytes_mask(dim - i);
+        const __m512i ku = _mm512_xor_si512(load_bytes(k[j] + i, mask), bias);
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm512_dpbusd_epi32(acc[r], ku, load_bytes(q[r] + i, mask));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t sum = _mm512_reduce_add_epi32(acc[r]) - offset[r];
+        dst[r][j] = (q_scales[r] * k_scales[j]) * static_cast<float>(sum);
+      }
+    }
+  }
+
+  template <int R>
+  static void scores_rows(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
+                          const float* k_scales, int64_t n_keys, int64_t listed, int64_t dim,
+                          float* const* dst, int64_t ahead) {
+    switch (dim) {
+      case 64: return scores_group<R, 1>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+      case 128: return scores_group<R, 2>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+      case 256: return scores_group<R, 4>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+      default: return scores_group<R, 0>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+    }
+  }
+
+  static void scores(const int8_t* const* q, const float* q_scales, int rows,
+                     const int8_t* const* k, const float* k_scales, int64_t n_keys,
+                     int64_t listed, int64_t dim, float* const* dst) {
+    const int64_t ahead = int8_rows_ahead(dim);
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+      const int8_t* const* qg = q + r0;
+      const float* qs = q_scales + r0;
+      float* const* d = dst + r0;
+      // Only the first group streams the keys; the others find them in cache.
+      const int64_t a = r0 == 0 ? ahead : 0;
+      switch (rows - r0 < 4 ? rows - r0 : 4) {
+        case 1: scores_rows<1>(qg, qs, k, k_scales, n_keys, listed, dim, d, a); break;
+        case 2: scores_rows<2>(qg, qs, k, k_scales, n_keys, listed, dim, d, a); break;
+        case 3: scores_rows<3>(qg, qs, k, k_scales, n_keys, listed, dim, d, a); break;
+        default: scores_rows<4>(qg, qs, k, k_scales, n_keys, listed, dim, d, a); break;
+      }
+    }
+  }
+
+  // The quantized probabilities of a row (Int8Probabilities, in vectors):
+  // levels[j] for j < n, zeros up to the next multiple of 4.
+  static Int8Probabilities quantize(const float* p, const float* scales, int64_t n,
+                                    uint8_t* levels) {
+    __m512 top = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = lanes_mask(n - j);
+      const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + j), _mm512_maskz_loadu_ps(m, scales + j));
+      nan |= _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
+      top = _mm512_max_ps(w, top);  // the second operand where w is NaN
+    }
+    Int8Probabilities q;
+    q.top = _mm512_reduce_max_ps(top);
+    q.nan = nan != 0;
+    q.set_inverse();
+    const __m512 inv = _mm512_set1_ps(q.inv), top1 = _mm512_set1_ps(q.top);
+    const __m512 k127 = _mm512_set1_ps(127.0f), zero = _mm512_setzero_ps();
+    const int64_t padded = (n + 3) / 4 * 4;
+    for (int64_t j = 0; j < padded; j += 16) {
+      const __mmask16 m = lanes_mask(n - j);
+      const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + j), _mm512_maskz_loadu_ps(m, scales + j));
+      __m512 y = q.inv_finite ? _mm512_mul_ps(w, inv) : _mm512_mul_ps(_mm512_div_ps(w, top1), k127);
+      y = _mm512_min_ps(_mm512_max_ps(y, zero), k127);  // max: 0 where y is NaN
+      const __mmask16 keep = lanes_mask(padded - j);
+      _mm_mask_storeu_epi8(levels + j, keep, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y)));
+    }
+    return q;
+  }
+
+  // sums[r][t] += the products of rows r0..r3's bytes [d0, d0 + 64) with
+  // their levels (keys j..j + 3 of levels[r]), interleaved as pv_chunk says.
+  template <int R, bool kWhole>
+  [[gnu::always_inline]] static inline void add_quad(__m512i (&sums)[R][4],
+                                                     const uint8_t* const* levels, int64_t j,
+                                                     const int8_t* r0, const int8_t* r1,
+                                                     const int8_t* r2, const int8_t* r3,
+                                                     int64_t d0, __mmask64 mask) {
+    const __m512i v0 = kWhole ? _mm512_loadu_si512(r0 + d0) : load_bytes(r0 + d0, mask);
+    const __m512i v1 = kWhole ? _mm512_loadu_si512(r1 + d0) : load_bytes(r1 + d0, mask);
+    const __m512i v2 = kWhole ? _mm512_loadu_si512(r2 + d0) : load_bytes(r2 + d0, mask);
+    const __m512i v3 = kWhole ? _mm512_loadu_si512(r3 + d0) : load_bytes(r3 + d0, mask);
+    const __m512i a = _mm512_unpacklo_epi8(v0, v1), b = _mm512_unpackhi_epi8(v0, v1);
+    const __m512i c = _mm512_unpacklo_epi8(v2, v3), e = _mm512_unpackhi_epi8(v2, v3);
+    const __m512i x0 = _mm512_unpacklo_epi16(a, c), x1 = _mm512_unpackhi_epi16(a, c);
+    const __m512i x2 = _mm512_unpacklo_epi16(b, e), x3 = _mm512_unpackhi_epi16(b, e);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      __builtin_memcpy(&quad, levels[r] + j, 4);
+      const __m512i pb = _mm512_set1_epi32(quad);
+      sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], pb, x0);
+      sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], pb, x1);
+      sums[r][2] = _mm512_dpbusd_epi32(sums[r][2], pb, x2);
+      sums[r][3] = _mm512_dpbusd_epi32(sums[r][3], pb, x3);
+    }
+  }
+
+  // P.V of R rows over one chunk of 64 columns: four value rows' bytes
+  // interleaved, so that each int32 lane takes one column's four products;
+  // the lanes come out permuted (lane e of 128-bit lane L of sums[t] holds
+  // column 16 L + 4 t + e) and are put back in order when added to acc.
+  template <int R, bool kWhole>
+  static void pv_chunk(const uint8_t* const* levels, const float* factors, const int8_t* const* v,
+                       int64_t n_keys, int64_t d0, int64_t dim, float* const* acc,
+                       int64_t ahead, int64_t listed) {
+    const __mmask64 mask = bytes_mask(dim - d0);
+    __m512i sums[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) sums[r][t] = _mm512_setzero_si512();
+    int64_t j = 0;
+    for (; j + 4 <= n_keys; j += 4) {
+      if (ahead && j + ahead + 4 <= listed)
+        for (int u = 0; u < 4; ++u) prefetch_rows(v[j + ahead + u], 0, 1, dim);
+      add_quad<R, kWhole>(sums, levels, j, v[j], v[j + 1], v[j + 2], v[j + 3], d0, mask);
+    }
+    if (j < n_keys) {  // past the block's last key, its row again, at level 0
+      const int64_t last = n_keys - 1;
+      add_quad<R, kWhole>(sums, levels, j, v[j], v[j + 1 < last ? j + 1 : last],
+                          v[j + 2 < last ? j + 2 : last], v[last], d0, mask);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i lo01 = _mm512_shuffle_i32x4(sums[r][0], sums[r][1], 0x44);
+      const __m512i lo23 = _mm512_shuffle_i32x4(sums[r][2], sums[r][3], 0x44);
+      const __m512i hi01 = _mm512_shuffle_i32x4(sums[r][0], sums[r][1], 0xEE);
+      const __m512i hi23 = _mm512_shuffle_i32x4(sums[r][2], sums[r][3], 0xEE);
+      const __m512i cols[4] = {_mm512_shuffle_i32x4(lo01, lo23, 0x88), _mm512_shuffle_i32x4(lo01, lo23, 0xDD),
+                               _mm512_shuffle_i32x4(hi01, hi23, 0x88), _mm512_shuffle_i32x4(hi01, hi23, 0xDD)};
+      const __m512 factor = _mm512_set1_ps(factors[r]);
+#pragma GCC unroll 4
+      for (int L = 0; L < 4; ++L) {
+        const int64_t d = d0 + 16 * L;
+        if (d >= dim) break;
+        const __mmask16 m = lanes_mask(dim - d);
+        float* out = acc[r] + d;
+        _mm512_mask_storeu_ps(out, m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(cols[L]), factor,
+                                                      _mm512_maskz_loadu_ps(m, out)));
+      }
+    }
+  }
+
+  template <bool kWhole>
+  static void pv_rows(int count, const uint8_t* const* lv, const float* factors,
+                      const int8_t* const* v, int64_t n_keys, int64_t d0, int64_t dim,
+                      float* const* out, int64_t ask, int64_t listed) {
+    switch (count) {
+      case 0: break;
+      case 1: pv_chunk<1, kWhole>(lv, factors, v, n_keys, d0, dim, out, ask, listed); break;
+      case 2: pv_chunk<2, kWhole>(lv, factors, v, n_keys, d0, dim, out, ask, listed); break;
+      case 3: pv_chunk<3, kWhole>(lv, factors, v, n_keys, d0, dim, out, ask, listed); break;
+      default: pv_chunk<4, kWhole>(lv, factors, v, n_keys, d0, dim, out, ask, listed); break;
+    }
+  }
+
+  static void accumulate_pv(const float* const* p, int rows, const int8_t* const* v,
+                            const float* v_scales, int64_t n_keys, int64_t listed, int64_t dim,
+                            float* const* acc) {
+    if (n_keys <= 0) return;
+    const int64_t ahead = int8_rows_ahead(dim);
+    alignas(64) uint8_t levels[4][kInt8MaxBlock + 16];
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+      const uint8_t* lv[4];
+      float factors[4];
+      float* out[4];
+      int count = 0;
+      for (int r = r0; r < rows && r < r0 + 4; ++r) {
+        const Int8Probabilities q = quantize(p[r], v_scales, n_keys, levels[count]);
+        if (!q.adds()) continue;
+        lv[count] = levels[count], factors[count] = q.factor(), out[count++] = acc[r];
+      }
+      // Only the first group streams the values; the others find them in cache.
+      const int64_t a = r0 == 0 ? ahead : 0;
+      for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        const int64_t ask = d0 == 0 ? a : 0;
+        if (dim - d0 >= 64)
+          pv_rows<true>(count, lv, factors, v, n_keys, d0, dim, out, ask, listed);
+        else
+          pv_rows<false>(count, lv, factors, v, n_keys, d0, dim, out, ask, listed);
+      }
+    }
+  }
+
+  static Int8KernelTable table(const char* name, Isa isa) {
+    return Int8KernelTable{name, isa, &scores, &accumulate_pv};
+  }
+};
+
+}  // namespace
+}  // namespace attnx::simd
