@@ -572,6 +572,27 @@ def test_decoding_error_against_float64_per_cache_and_precision(cache_dtype, pre
         assert max_error(got, attnx.cached_attention(q, cache)) <= DECODE_BF16_FROM_DEFAULT
 
 
+@pytest.mark.parametrize("E", [40, 64, 80, 128])
+@pytest.mark.parametrize("keys", [1, 77, 300])
+def test_decoding_a_bfloat16_cache_within_the_bounds(E, keys):
+    # Head dims that are not whole vectors and odd key counts: on the pairs route (where the
+    # probe or ATTNX_BF16_PRODUCTS=pairs chooses vdpbf16ps) the row kernels read the cache as
+    # pairs of elements and of keys.
+    dtype = _bf16_storage()
+    rng = np.random.default_rng(E + keys)
+    B, Hk, Hq, T = 2, 2, 8, min(3, keys)
+    cache = attnx.KVCache(B, Hk, keys, E, dtype)
+    cache.append(f32(rng, (B, Hk, keys, E)), f32(rng, (B, Hk, keys, E)))
+    q = f32(rng, (B, Hq, T, E))
+    got = attnx.cached_attention(q, cache, precision=BF16)
+    key, value, lengths = cache.storage()
+    key, value = np.asarray(key, np.float32), np.asarray(value, np.float32)
+    want = reference.cached_attention(q, key, value, lengths, precision=BF16)
+    exact = reference.cached_attention(q.astype(np.float64), key.astype(np.float64), value.astype(np.float64),
+                                       lengths)
+    assert_bounds(got, want, exact, "sdpa", f"E {E}, {keys} keys")
+
+
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_decoding_rounds_a_float32_cache_as_it_reads_it(cache_dtype):
     # One key and scale 1: the probability is 1, exact, so the output is the value row as the

@@ -12,6 +12,7 @@
 
 #include "attention/sdpa_rows.h"
 
+#include "attention/narrowing.h"
 #include "kernels/int8_table.h"
 
 namespace attnx::sdpa {
@@ -99,10 +100,28 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
       }
     }
   }
+  // On the pairs route (where vdpbf16ps pays: bf16_products), a bfloat16
+  // cache's keys and values are read as pairs as they lie, against the
+  // queries as bfloat16 (into the keys' buffer, which they leave unused):
+  // no element is widened.
+  const uint16_t* q16_rows[kQueryBlock];
+  const bool pairs = kt16 && bf16_products() == Bf16Products::kPairs;
+  const bool pair_keys = pairs && kt16->scores_bf16_rows && keys.bits && keys.bits_kind == 1;
+  const bool pair_values =
+      pairs && kt16->accumulate_pv_bf16_rows && values.bits && values.bits_kind == 1;
+  if constexpr (std::is_same_v<T, float>) {
+    if (pair_keys) {
+      auto* q16 = reinterpret_cast<uint16_t*>(k_buf);
+      for (int64_t r = 0; r < rows; ++r) {
+        narrow_to_bfloat16(q_rows[r], E, q16 + r * E);  // bfloat16 values already: exact
+        q16_rows[r] = q16 + r * E;
+      }
+    }
+  }
   const bool listed_keys =
-      kt8 || rounded_keys || (keys.blocks && (direct_keys || !keys.stored()));
+      kt8 || pair_keys || rounded_keys || (keys.blocks && (direct_keys || !keys.stored()));
   const bool listed_values =
-      kt8 || rounded_values || (values.blocks && (direct_values || !values.stored()));
+      kt8 || pair_values || rounded_values || (values.blocks && (direct_values || !values.stored()));
   // A block's rows listed, and the next rows (to be asked for ahead, as the
   // kernels do within a block: at a block's start a contiguous cache has
   // the hardware prefetchers' stream going, a paged one not).
@@ -133,8 +152,11 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
         else if (kt8)
           kt8->scores(q8_rows, q8_scales, n_rows, reinterpret_cast<const int8_t* const*>(listed),
                       listed_scales, n, n + ahead, E, s_rows);
+        else if (pair_keys)
+          kt16->scores_bf16_rows(q16_rows, n_rows, reinterpret_cast<const uint16_t* const*>(listed),
+                                 n, n + ahead, E, a.query_scale(), s_rows);
       }
-      if (!rounded_keys && !kt8)
+      if (!rounded_keys && !kt8 && !pair_keys)
         kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, n + ahead,
                          E, a.query_scale(), s_rows);
     } else if constexpr (std::is_same_v<T, float>) {
@@ -200,8 +222,12 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
         else if (kt8)
           kt8->accumulate_pv(p_plain, plain, reinterpret_cast<const int8_t* const*>(listed),
                              listed_scales, n, n + ahead, Ev, acc_plain);
+        else if (pair_values)
+          kt16->accumulate_pv_bf16_rows(p_plain, plain,
+                                        reinterpret_cast<const uint16_t* const*>(listed), n,
+                                        n + ahead, Ev, acc_plain);
       }
-      if (!rounded_values && !kt8)
+      if (!rounded_values && !kt8 && !pair_values)
         kt.accumulate_pv_listed(p_plain, plain, listed, listed_scales, values.stored_kind(), n,
                               n + ahead, Ev, acc_plain);
     } else if (direct_values) {

@@ -72,6 +72,19 @@ struct Bf16KernelTable {
   // registers, `iterations` steps each (two products a lane a step), as the
   // float tables' fma_probe; null in the emulated tables.
   float (*dot_probe)(int64_t iterations);
+
+  // The row path's products over keys and values stored as bfloat16 (a
+  // bfloat16 cache), read in place as pairs by vdpbf16ps; null in the
+  // emulated tables. dst[r][j] = scale * <q[r], k_j> for the query rows q
+  // as bfloat16 (rows [n_keys, listed) of k only asked for ahead), and
+  // acc[r][:dim] += sum_j p[r][j] v_j for probabilities that are bfloat16
+  // values (as float32), taken two keys a pair.
+  void (*scores_bf16_rows)(const uint16_t* const* q, int rows, const uint16_t* const* k,
+                           int64_t n_keys, int64_t listed, int64_t dim, float scale,
+                           float* const* dst);
+  void (*accumulate_pv_bf16_rows)(const float* const* p, int rows, const uint16_t* const* v,
+                                  int64_t n_keys, int64_t listed, int64_t dim,
+                                  float* const* acc);
 };
 
 // How the products of precision "bfloat16" run (decided once, on first use):

@@ -1,17 +1,23 @@
-// The bfloat16 products on AVX512_BF16 (vdpbf16ps, vcvtneps2bf16) and the
-// int8 products on AVX512_VNNI (vpdpbusd): the AVX-512 flags, -mavx512bf16
-// and -mavx512vnni. This file alone is compiled with them; it runs only
-// where the dispatcher found both in CPUID, with the AVX-512 level's float
-// kernels.
+// The bfloat16 products on AVX512_BF16 (vdpbf16ps, vcvtneps2bf16; the row
+// path's over a bfloat16 cache too) and the int8 products on AVX512_VNNI
+// (vpdpbusd): the AVX-512 flags, -mavx512bf16 and -mavx512vnni. This file
+// alone is compiled with them; it runs only where the dispatcher found both
+// in CPUID, with the AVX-512 level's float kernels.
 #include "kernels/simd/bf16_kernels.h"
+#include "kernels/simd/bf16_rows_native.h"
 #include "kernels/simd/int8_vnni.h"
 #include "kernels/simd/vec_avx512.h"
 
 namespace attnx {
 
 const Bf16KernelTable& avx512_native_bf16_kernels() {
-  static const Bf16KernelTable table = simd::Bf16Kernels<simd::Avx512F32, true>::table(
-      "bf16_products__avx512bf16_mr12_nr32", Isa::kAvx512);
+  static const Bf16KernelTable table = [] {
+    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx512F32, true>::table(
+        "bf16_products__avx512bf16_mr12_nr32", Isa::kAvx512);
+    t.scores_bf16_rows = simd::Avx512Bf16Rows::scores;
+    t.accumulate_pv_bf16_rows = simd::Avx512Bf16Rows::accumulate_pv;
+    return t;
+  }();
   return table;
 }
 
