@@ -430,6 +430,22 @@ def test_unknown_bf16_products_raises_naming_the_choices():
     assert "ATTNX_BF16_PRODUCTS=' Pears ' is not known; use pairs or float" in proc.stderr
 
 
+def _int8_kernels(isa):
+    """show_config's int8 kernels at a level: vpdpbusd at the AVX-512 levels of a CPU with
+    AVX512_VNNI, else the AVX2 (or scalar) float kernels."""
+    if isa.startswith("avx512") and "avx512_vnni" in _cpu_flags():
+        return "avx512_vnni"
+    return f"{'scalar' if isa == 'scalar' else 'avx2'} (float32 products)"
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "avx512_bf16"])
 def test_attnx_isa_picks_the_bfloat16_table(isa):
     proc = config_under(isa)
@@ -444,7 +460,7 @@ def test_attnx_isa_picks_the_bfloat16_table(isa):
     assert cfg["precisions"] == {
         "float32": cfg["isa"], "float64": cfg["isa"],
         "bfloat16": "avx512_bf16" if isa == "avx512_bf16" else f"{isa} (emulated)",
-        "int8": "avx512_vnni" if isa == "avx512_bf16" else f"{isa} (float32 products)"}
+        "int8": _int8_kernels(isa)}
 
 
 def test_best_level_runs_the_native_table_where_the_cpu_has_it():

@@ -12,7 +12,6 @@
 
 #include "attnx/runtime.h"
 #include "bindings/array_views.h"
-#include "bindings/testing_tables.h"
 #include "kernels/bf16_table.h"
 #include "kernels/kernel_table.h"
 
@@ -25,7 +24,27 @@ namespace {
 // "avx512", "avx2" or "scalar", that instruction set's emulation.
 const Bf16KernelTable& bf16_table(const std::optional<std::string>& table, const char* fn) {
   if (!table) return active_bf16_kernels();
-  return testing_table<Bf16KernelTable>(*table, "native", bf16_kernels_of, fn);
+  Isa level;
+  if (*table == "native")
+    level = Isa::kAvx512Bf16;
+  else if (*table == "avx512")
+    level = Isa::kAvx512;
+  else if (*table == "avx2")
+    level = Isa::kAvx2;
+  else if (*table == "scalar")
+    level = Isa::kScalar;
+  else
+    throw py::value_error(std::string(fn) + ": table must be None, 'native', 'avx512', 'avx2' " +
+                          "or 'scalar', got '" + *table + "'");
+  const Bf16KernelTable* found = bf16_kernels_of(level);
+  if (found == nullptr)
+    throw py::value_error(std::string(fn) + ": table '" + *table + "' is not in this build");
+  // CPUID once: in a virtual machine each query traps to the host (microseconds).
+  static const Isa cpu = detect_cpu_isa();
+  if (level > cpu)
+    throw py::value_error(std::string(fn) + ": table '" + *table + "' needs " +
+                          isa_name(level) + ", which this CPU lacks");
+  return *found;
 }
 
 GemmInit parse_init(const std::string& name, const char* fn) {

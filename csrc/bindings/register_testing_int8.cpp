@@ -12,7 +12,6 @@
 
 #include "attnx/runtime.h"
 #include "bindings/array_views.h"
-#include "bindings/testing_tables.h"
 #include "kernels/int8_table.h"
 
 namespace py = pybind11;
@@ -20,11 +19,33 @@ namespace py = pybind11;
 namespace attnx::bindings {
 namespace {
 
-// The table named `table`: None, the active one; "vnni" (vpdpbusd),
-// "avx512", "avx2" or "scalar", that instruction set's float32 kernels.
+// The table named `table`: None, the active one; "vnni" (vpdpbusd), "avx2"
+// or "scalar" (those instruction sets' float32 kernels). ValueError naming
+// the choices, or saying why this process cannot run it.
 const Int8KernelTable& int8_table(const std::optional<std::string>& table, const char* fn) {
   if (!table) return active_int8_kernels();
-  return testing_table<Int8KernelTable>(*table, "vnni", int8_kernels_of, fn);
+  const Int8KernelTable* found = nullptr;
+  std::string needs;
+  if (*table == "vnni") {
+#if defined(ATTNX_HAVE_AVX512BF16_KERNELS)
+    if (cpu_has_avx512_vnni()) found = &avx512_vnni_int8_kernels();
+#endif
+    needs = "AVX512_VNNI and a build with it";
+  } else if (*table == "avx2") {
+    // CPUID once: in a virtual machine each query traps to the host (microseconds).
+    static const Isa cpu = detect_cpu_isa();
+    if (cpu >= Isa::kAvx2) found = int8_kernels_of(Isa::kAvx2);
+    if (found && found->isa != Isa::kAvx2) found = nullptr;
+    needs = "AVX2 and a build with the x86 kernels";
+  } else if (*table == "scalar") {
+    found = &scalar_int8_kernels();
+  } else {
+    throw py::value_error(std::string(fn) + ": table must be None, 'vnni', 'avx2' or 'scalar', got '" +
+                          *table + "'");
+  }
+  if (found == nullptr)
+    throw py::value_error(std::string(fn) + ": table '" + *table + "' needs " + needs);
+  return *found;
 }
 
 // Row pointers of a C-contiguous 2-D array.
@@ -78,7 +99,7 @@ void register_testing_int8(py::module_& testing) {
       py::arg("q"), py::arg("q_scales"), py::arg("k"), py::arg("k_scales"),
       py::arg("table") = py::none(),
       "An int8 table's scores: (rows, keys) float32 from int8 q (rows, dim) and k (keys,\n"
-      "dim) with their float32 scales; table None (active), 'vnni', 'avx512', 'avx2' or 'scalar'.");
+      "dim) with their float32 scales; table None (active), 'vnni', 'avx2' or 'scalar'.");
   testing.def(
       "int8_accumulate_pv",
       [](const py::array& p, const py::array& v, const py::array& v_scales, py::array& acc,

@@ -79,16 +79,28 @@ bool cpu_has_f16c() {
   return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
 }
 // AVX512_BF16 (vdpbf16ps, vcvtne[2]ps2bf16): CPUID leaf 7, subleaf 1, EAX
-// bit 5; and AVX512_VNNI (vpdpbusd), leaf 7, subleaf 0, ECX bit 11, which
-// every CPU with the first has too: the avx512_bf16 level needs both. Their
-// registers are AVX-512's, checked with the AVX-512 level.
-bool cpu_has_avx512_bf16_and_vnni() {
+// bit 5; its registers are AVX-512's, checked with the AVX-512 level.
+bool cpu_has_avx512_bf16() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  const bool bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5)) != 0;
-  return bf16 && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 11)) != 0;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5)) != 0;
 }
 }  // namespace
 #endif
+
+bool cpu_has_avx512_vnni() {
+#if defined(ATTNX_X86_CPUID)
+  // AVX512_VNNI (vpdpbusd): CPUID leaf 7, subleaf 0, ECX bit 11; its
+  // registers are AVX-512's, which the AVX-512 level has checked.
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return detect_cpu_isa() >= Isa::kAvx512 && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) &&
+           (ecx & (1u << 11)) != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
 
 Isa detect_cpu_isa() {
 #if defined(ATTNX_X86_CPUID)
@@ -101,7 +113,7 @@ Isa detect_cpu_isa() {
   if (!avx2) return Isa::kScalar;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return cpu_has_avx512_bf16_and_vnni() ? Isa::kAvx512Bf16 : Isa::kAvx512;
+    return cpu_has_avx512_bf16() ? Isa::kAvx512Bf16 : Isa::kAvx512;
   return Isa::kAvx2;
 #else
   return Isa::kScalar;
@@ -184,17 +196,13 @@ const Bf16KernelTable* bf16_kernels_of(Isa level) {
 const Bf16KernelTable& active_bf16_kernels() { return *bf16_kernels_of(active_isa()); }
 
 const Int8KernelTable* int8_kernels_of(Isa level) {
-  switch (level) {
 #if defined(ATTNX_HAVE_AVX512BF16_KERNELS)
-    case Isa::kAvx512Bf16: return &avx512_vnni_int8_kernels();
+  if (level >= Isa::kAvx512 && cpu_has_avx512_vnni()) return &avx512_vnni_int8_kernels();
 #endif
 #if defined(ATTNX_HAVE_X86_KERNELS)
-    case Isa::kAvx512: return &avx512_int8_kernels();
-    case Isa::kAvx2: return &avx2_int8_kernels();
+  if (level >= Isa::kAvx2) return &avx2_int8_kernels();
 #endif
-    case Isa::kScalar: return &scalar_int8_kernels();
-    default: return nullptr;
-  }
+  return level == Isa::kScalar ? &scalar_int8_kernels() : nullptr;
 }
 
 const Int8KernelTable& active_int8_kernels() { return *int8_kernels_of(active_isa()); }

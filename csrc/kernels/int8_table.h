@@ -1,11 +1,11 @@
 // The kernels of precision "int8": integer products of int8 operands with
 // int32 sums, for int8 key and value caches. A query row is quantized once
-// per call (quantize_int8, as a cache row is), a row's probabilities once per block of keys
-// (inside accumulate_pv). The sums are exact, and every table takes the same
-// float32 steps around them in the same order, so every table gives the same
-// bits. Each instruction set fills one table (vpdpbusd where the CPU has
-// AVX512_VNNI, else portable loops compiled with that instruction set's
-// flags), and the dispatcher picks one at import (dispatch/isa.cpp).
+// per call (quantize_int8, as a cache row is), a row's probabilities once
+// per block of keys (inside accumulate_pv). The sums are exact, and every
+// table takes the same float32 steps around them in the same order, so every
+// table gives the same bits: vpdpbusd where the CPU has AVX512_VNNI, else
+// the float32 row kernels, on which the sums are exact too
+// (simd/int8_kernels.h); the dispatcher picks one (dispatch/isa.cpp).
 #pragma once
 
 #include <cstdint>
@@ -45,19 +45,26 @@ struct Int8KernelTable {
 };
 
 const Int8KernelTable& scalar_int8_kernels();
+// The same arithmetic as plain loops (any row length), which the tables on
+// the float32 kernels take where those would not be exact.
+const Int8KernelTable& portable_int8_kernels();
 #if defined(ATTNX_HAVE_X86_KERNELS)
 const Int8KernelTable& avx2_int8_kernels();
-const Int8KernelTable& avx512_int8_kernels();
 #endif
 #if defined(ATTNX_HAVE_AVX512BF16_KERNELS)  // built with -mavx512vnni too
+// Runs on AVX512_VNNI alone: it uses no AVX512_BF16 instruction.
 const Int8KernelTable& avx512_vnni_int8_kernels();
 #endif
+// Whether this CPU has AVX512_VNNI (and the AVX-512 level).
+bool cpu_has_avx512_vnni();
 
-// The table of the active level (the avx512_bf16 level, whose CPUs have
-// AVX512_VNNI too: vpdpbusd).
-const Int8KernelTable& active_int8_kernels();
-// The table of a level, or null where this build has none. Whether the CPU
-// runs it is the caller's to check (detect_cpu_isa).
+// The table of a level on this CPU: vpdpbusd at the AVX-512 levels where the
+// CPU has AVX512_VNNI (Cascade Lake and Ice Lake have it without
+// AVX512_BF16), else the AVX2 float32 kernels' (AVX-512's would add as much
+// code for a route slower than the default precision), the scalar ones at
+// the scalar level; null where this build has none.
 const Int8KernelTable* int8_kernels_of(Isa level);
+// The table of the active level.
+const Int8KernelTable& active_int8_kernels();
 
 }  // namespace attnx

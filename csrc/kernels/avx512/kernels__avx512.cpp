@@ -2,7 +2,6 @@
 // those flags; it runs only where the dispatcher found them in CPUID.
 #include "kernels/simd/attention_kernels.h"
 #include "kernels/simd/bf16_kernels.h"
-#include "kernels/simd/int8_kernels.h"
 #include "kernels/simd/vec_avx512.h"
 
 namespace attnx {
@@ -23,13 +22,6 @@ const KernelTable<double>& avx512_kernels_f64() {
 const Bf16KernelTable& avx512_bf16_kernels() {
   static const Bf16KernelTable table = simd::Bf16Kernels<simd::Avx512F32, false>::table(
       "bf16_products__avx512f_emulated_mr12_nr32", Isa::kAvx512);
-  return table;
-}
-
-// The int8 products on the float32 row kernels (see simd/int8_kernels.h).
-const Int8KernelTable& avx512_int8_kernels() {
-  static const Int8KernelTable table =
-      simd::FloatExactInt8Kernels<avx512_kernels_f32>::table("int8_products__avx512f", Isa::kAvx512);
   return table;
 }
 

@@ -1,8 +1,9 @@
 // The bfloat16 products on AVX512_BF16 (vdpbf16ps, vcvtneps2bf16; the row
 // path's over a bfloat16 cache too) and the int8 products on AVX512_VNNI
 // (vpdpbusd): the AVX-512 flags, -mavx512bf16 and -mavx512vnni. This file
-// alone is compiled with them; it runs only where the dispatcher found both
-// in CPUID, with the AVX-512 level's float kernels.
+// alone is compiled with them; its bfloat16 tables run only where the
+// dispatcher found AVX512_BF16 in CPUID, its int8 table where it found
+// AVX512_VNNI, with the AVX-512 level's float kernels.
 #include "kernels/simd/bf16_kernels.h"
 #include "kernels/simd/bf16_rows_native.h"
 #include "kernels/simd/int8_vnni.h"

@@ -26,6 +26,12 @@ const Bf16KernelTable& scalar_bf16_kernels() {
   return table;
 }
 
+const Int8KernelTable& portable_int8_kernels() {
+  static const Int8KernelTable table =
+      simd::PortableInt8Kernels::table("int8_products__portable", Isa::kScalar);
+  return table;
+}
+
 // The int8 products on the float32 row kernels (see simd/int8_kernels.h).
 const Int8KernelTable& scalar_int8_kernels() {
   static const Int8KernelTable table =

@@ -27,42 +27,44 @@ struct Avx512Bf16Rows {
   }
   static int64_t rows_ahead(int64_t dim) { return prefetch_distance<uint16_t>(true, dim); }
 
-  // Scores of R query rows (bfloat16), four keys at a time; C: the 32-element
-  // chunks of a row where dim is 32 C (whole loads, the loop unrolled), else 0.
-  template <int R, int C>
+  // Scores of R query rows (bfloat16), four keys at a time.
+  template <int R>
   static void scores_group(const uint16_t* const* q, const uint16_t* const* k, int64_t n_keys,
                            int64_t listed, int64_t dim, float scale, float* const* dst,
                            int64_t ahead) {
-    const int64_t chunks = C ? C : (dim + 31) / 32;
     int64_t j = 0;
     for (; j + 4 <= n_keys; j += 4) {
       if (ahead && j + ahead + 4 <= listed)
         for (int u = 0; u < 4; ++u) prefetch_rows(k[j + ahead + u], 0, 1, dim);
       const uint16_t* kr[4] = {k[j], k[j + 1], k[j + 2], k[j + 3]};
-      __m512 acc[4][4];
+      __m512 acc[4][4];  // R rows (four for reduce_add4x4's type)
 #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r)
+      for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __mmask32 mask = C ? ~__mmask32(0) : elements_mask(dim - 32 * c);
+      for (int64_t c = 0; 32 * c < dim; ++c) {
+        const __mmask32 mask = elements_mask(dim - 32 * c);
         __m512i kv[4];
 #pragma GCC unroll 4
         for (int u = 0; u < 4; ++u)
-          kv[u] = C ? _mm512_loadu_si512(kr[u] + 32 * c) : _mm512_maskz_loadu_epi16(mask, kr[u] + 32 * c);
+          kv[u] = _mm512_maskz_loadu_epi16(mask, kr[u] + 32 * c);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const __m512i qv =
-              C ? _mm512_loadu_si512(q[r] + 32 * c) : _mm512_maskz_loadu_epi16(mask, q[r] + 32 * c);
+          const __m512i qv = _mm512_maskz_loadu_epi16(mask, q[r] + 32 * c);
 #pragma GCC unroll 4
           for (int u = 0; u < 4; ++u) acc[r][u] = dot(acc[r][u], kv[u], qv);
         }
       }
-      float* out[4] = {};
-      float spare[4][4];
-      for (int r = 0; r < 4; ++r) out[r] = r < R ? dst[r] + j : spare[r];
-      Avx512F32::reduce_add4x4(acc, nullptr, scale, out);
+      if constexpr (R == 4) {
+        float* out[4] = {dst[0] + j, dst[1] + j, dst[2] + j, dst[3] + j};
+        Avx512F32::reduce_add4x4(acc, nullptr, scale, out);
+      } else {
+        for (int r = 0; r < R; ++r) {
+          float sums[4];
+          Avx512F32::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+          for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * sums[u];
+        }
+      }
     }
     for (; j < n_keys; ++j) {
       __m512 acc[R];
@@ -76,30 +78,16 @@ struct Avx512Bf16Rows {
     }
   }
 
-  template <int R>
-  static void scores_rows(const uint16_t* const* q, const uint16_t* const* k, int64_t n_keys,
-                          int64_t listed, int64_t dim, float scale, float* const* dst,
-                          int64_t ahead) {
-    switch (dim) {
-      case 64: return scores_group<R, 2>(q, k, n_keys, listed, dim, scale, dst, ahead);
-      case 128: return scores_group<R, 4>(q, k, n_keys, listed, dim, scale, dst, ahead);
-      default: return scores_group<R, 0>(q, k, n_keys, listed, dim, scale, dst, ahead);
-    }
-  }
-
   static void scores(const uint16_t* const* q, int rows, const uint16_t* const* k, int64_t n_keys,
                      int64_t listed, int64_t dim, float scale, float* const* dst) {
     const int64_t ahead = rows_ahead(dim);
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-      // Only the first group streams the keys; the others find them in cache.
-      const int64_t a = r0 == 0 ? ahead : 0;
-      switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: scores_rows<1>(q + r0, k, n_keys, listed, dim, scale, dst + r0, a); break;
-        case 2: scores_rows<2>(q + r0, k, n_keys, listed, dim, scale, dst + r0, a); break;
-        case 3: scores_rows<3>(q + r0, k, n_keys, listed, dim, scale, dst + r0, a); break;
-        default: scores_rows<4>(q + r0, k, n_keys, listed, dim, scale, dst + r0, a); break;
-      }
-    }
+    // Four rows at a time, the rest one by one; only the first pass streams
+    // the keys, the others find them in cache.
+    int r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4)
+      scores_group<4>(q + r0, k, n_keys, listed, dim, scale, dst + r0, r0 == 0 ? ahead : 0);
+    for (; r0 < rows; ++r0)
+      scores_group<1>(q + r0, k, n_keys, listed, dim, scale, dst + r0, r0 == 0 ? ahead : 0);
   }
 
   // The bfloat16 bits of p[j] and p[j + 1] (bfloat16 values as float32: their
@@ -116,7 +104,7 @@ struct Avx512Bf16Rows {
   // lanes are permuted (lane e of 128-bit lane L of the vectors t of chunk c
   // hold column d0 + 32 c + 8 L + 4 t + e) as acc is loaded and put back in
   // order as it is stored.
-  template <int R, bool kWhole>
+  template <int R>
   static void pv_chunk(const float* const* p, const uint16_t* const* v, int64_t n_keys,
                        int64_t d0, int64_t dim, float* const* acc, int64_t ahead,
                        int64_t listed) {
@@ -124,9 +112,9 @@ struct Avx512Bf16Rows {
     __mmask32 masks[2];
     __mmask16 lanes[2][2];
     for (int c = 0; c < 2; ++c) {
-      masks[c] = kWhole ? ~__mmask32(0) : elements_mask(dim - d0 - 32 * c);
-      lanes[c][0] = kWhole ? __mmask16(0xFFFF) : lanes_mask(dim - d0 - 32 * c);
-      lanes[c][1] = kWhole ? __mmask16(0xFFFF) : lanes_mask(dim - d0 - 32 * c - 16);
+      masks[c] = elements_mask(dim - d0 - 32 * c);
+      lanes[c][0] = lanes_mask(dim - d0 - 32 * c);
+      lanes[c][1] = lanes_mask(dim - d0 - 32 * c - 16);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
@@ -150,10 +138,8 @@ struct Avx512Bf16Rows {
       for (int r = 0; r < R; ++r) pair[r] = pair_of(p[r], j, n_keys);
 #pragma GCC unroll 2
       for (int c = 0; c < 2; ++c) {
-        const __m512i v0 = kWhole ? _mm512_loadu_si512(r0 + d0 + 32 * c)
-                                  : _mm512_maskz_loadu_epi16(masks[c], r0 + d0 + 32 * c);
-        const __m512i v1 = kWhole ? _mm512_loadu_si512(r1 + d0 + 32 * c)
-                                  : _mm512_maskz_loadu_epi16(masks[c], r1 + d0 + 32 * c);
+        const __m512i v0 = _mm512_maskz_loadu_epi16(masks[c], r0 + d0 + 32 * c);
+        const __m512i v1 = _mm512_maskz_loadu_epi16(masks[c], r1 + d0 + 32 * c);
         const __m512i x0 = _mm512_unpacklo_epi16(v0, v1), x1 = _mm512_unpackhi_epi16(v0, v1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
@@ -176,15 +162,11 @@ struct Avx512Bf16Rows {
       }
   }
 
-  template <bool kWhole>
   static void pv_rows(int count, const float* const* p, const uint16_t* const* v, int64_t n_keys,
                       int64_t d0, int64_t dim, float* const* acc, int64_t ahead, int64_t listed) {
-    switch (count) {
-      case 1: pv_chunk<1, kWhole>(p, v, n_keys, d0, dim, acc, ahead, listed); break;
-      case 2: pv_chunk<2, kWhole>(p, v, n_keys, d0, dim, acc, ahead, listed); break;
-      case 3: pv_chunk<3, kWhole>(p, v, n_keys, d0, dim, acc, ahead, listed); break;
-      default: pv_chunk<4, kWhole>(p, v, n_keys, d0, dim, acc, ahead, listed); break;
-    }
+    if (count == 4) return pv_chunk<4>(p, v, n_keys, d0, dim, acc, ahead, listed);
+    for (int r = 0; r < count; ++r)
+      pv_chunk<1>(p + r, v, n_keys, d0, dim, acc + r, r == 0 ? ahead : 0, listed);
   }
 
   static void accumulate_pv(const float* const* p, int rows, const uint16_t* const* v,
@@ -197,10 +179,7 @@ struct Avx512Bf16Rows {
       const int64_t a = r0 == 0 ? ahead : 0;
       for (int64_t d0 = 0; d0 < dim; d0 += 64) {
         const int64_t ask = d0 == 0 ? a : 0;
-        if (dim - d0 >= 64)
-          pv_rows<true>(count, p + r0, v, n_keys, d0, dim, acc + r0, ask, listed);
-        else
-          pv_rows<false>(count, p + r0, v, n_keys, d0, dim, acc + r0, ask, listed);
+        pv_rows(count, p + r0, v, n_keys, d0, dim, acc + r0, ask, listed);
       }
     }
   }

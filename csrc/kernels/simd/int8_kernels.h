@@ -163,7 +163,8 @@ struct FloatExactInt8Kernels {
                      const int8_t* const* k, const float* k_scales, int64_t n_keys,
                      int64_t listed, int64_t dim, float* const* dst) {
     if (dim > kExactDim || n_keys > kInt8MaxBlock)
-      return PortableInt8Kernels::scores(q, q_scales, rows, k, k_scales, n_keys, listed, dim, dst);
+      return portable_int8_kernels().scores(q, q_scales, rows, k, k_scales, n_keys, listed, dim,
+                                            dst);
     const KernelTable<float>& kt = Floats();
     float values[kGroup][kExactDim];
     for (int r0 = 0; r0 < rows; r0 += kGroup) {
@@ -185,7 +186,7 @@ struct FloatExactInt8Kernels {
                             const float* v_scales, int64_t n_keys, int64_t listed, int64_t dim,
                             float* const* acc) {
     if (dim > kExactDim || n_keys > kInt8MaxBlock)
-      return PortableInt8Kernels::accumulate_pv(p, rows, v, v_scales, n_keys, listed, dim, acc);
+      return portable_int8_kernels().accumulate_pv(p, rows, v, v_scales, n_keys, listed, dim, acc);
     const KernelTable<float>& kt = Floats();
     float levels[kGroup][kInt8MaxBlock];
     float sums[kGroup][kExactDim];

@@ -142,31 +142,25 @@ struct Avx512VnniInt8Kernels {
   static void scores_rows(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
                           const float* k_scales, int64_t n_keys, int64_t listed, int64_t dim,
                           float* const* dst, int64_t ahead) {
-    switch (dim) {
-      case 64: return scores_group<R, 1>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
-      case 128: return scores_group<R, 2>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
-      case 256: return scores_group<R, 4>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
-      default: return scores_group<R, 0>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
-    }
+    // Head dims of 128 (the common one) unrolled, the others in the loop.
+    if (dim == 128) return scores_group<R, 2>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+    scores_group<R, 0>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
   }
 
   static void scores(const int8_t* const* q, const float* q_scales, int rows,
                      const int8_t* const* k, const float* k_scales, int64_t n_keys,
                      int64_t listed, int64_t dim, float* const* dst) {
     const int64_t ahead = int8_rows_ahead(dim);
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-      const int8_t* const* qg = q + r0;
-      const float* qs = q_scales + r0;
-      float* const* d = dst + r0;
-      // Only the first group streams the keys; the others find them in cache.
-      const int64_t a = r0 == 0 ? ahead : 0;
-      switch (rows - r0 < 4 ? rows - r0 : 4) {
-        case 1: scores_rows<1>(qg, qs, k, k_scales, n_keys, listed, dim, d, a); break;
-        case 2: scores_rows<2>(qg, qs, k, k_scales, n_keys, listed, dim, d, a); break;
-        case 3: scores_rows<3>(qg, qs, k, k_scales, n_keys, listed, dim, d, a); break;
-        default: scores_rows<4>(qg, qs, k, k_scales, n_keys, listed, dim, d, a); break;
-      }
-    }
+    // Four rows at a time, the rest one by one (as fast a row: the products
+    // and each row's sums are the same; fewer kernels in the library). Only
+    // the first pass streams the keys; the others find them in cache.
+    int r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4)
+      scores_rows<4>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0,
+                     r0 == 0 ? ahead : 0);
+    for (; r0 < rows; ++r0)
+      scores_rows<1>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0,
+                     r0 == 0 ? ahead : 0);
   }
 
   // The quantized probabilities of a row (Int8Probabilities, in vectors):
@@ -201,16 +195,14 @@ struct Avx512VnniInt8Kernels {
 
   // sums[r][t] += the products of rows r0..r3's bytes [d0, d0 + 64) with
   // their levels (keys j..j + 3 of levels[r]), interleaved as pv_chunk says.
-  template <int R, bool kWhole>
+  template <int R>
   [[gnu::always_inline]] static inline void add_quad(__m512i (&sums)[R][4],
                                                      const uint8_t* const* levels, int64_t j,
                                                      const int8_t* r0, const int8_t* r1,
                                                      const int8_t* r2, const int8_t* r3,
                                                      int64_t d0, __mmask64 mask) {
-    const __m512i v0 = kWhole ? _mm512_loadu_si512(r0 + d0) : load_bytes(r0 + d0, mask);
-    const __m512i v1 = kWhole ? _mm512_loadu_si512(r1 + d0) : load_bytes(r1 + d0, mask);
-    const __m512i v2 = kWhole ? _mm512_loadu_si512(r2 + d0) : load_bytes(r2 + d0, mask);
-    const __m512i v3 = kWhole ? _mm512_loadu_si512(r3 + d0) : load_bytes(r3 + d0, mask);
+    const __m512i v0 = load_bytes(r0 + d0, mask), v1 = load_bytes(r1 + d0, mask);
+    const __m512i v2 = load_bytes(r2 + d0, mask), v3 = load_bytes(r3 + d0, mask);
     const __m512i a = _mm512_unpacklo_epi8(v0, v1), b = _mm512_unpackhi_epi8(v0, v1);
     const __m512i c = _mm512_unpacklo_epi8(v2, v3), e = _mm512_unpackhi_epi8(v2, v3);
     const __m512i x0 = _mm512_unpacklo_epi16(a, c), x1 = _mm512_unpackhi_epi16(a, c);
@@ -231,7 +223,7 @@ struct Avx512VnniInt8Kernels {
   // interleaved, so that each int32 lane takes one column's four products;
   // the lanes come out permuted (lane e of 128-bit lane L of sums[t] holds
   // column 16 L + 4 t + e) and are put back in order when added to acc.
-  template <int R, bool kWhole>
+  template <int R>
   static void pv_chunk(const uint8_t* const* levels, const float* factors, const int8_t* const* v,
                        int64_t n_keys, int64_t d0, int64_t dim, float* const* acc,
                        int64_t ahead, int64_t listed) {
@@ -245,11 +237,11 @@ struct Avx512VnniInt8Kernels {
     for (; j + 4 <= n_keys; j += 4) {
       if (ahead && j + ahead + 4 <= listed)
         for (int u = 0; u < 4; ++u) prefetch_rows(v[j + ahead + u], 0, 1, dim);
-      add_quad<R, kWhole>(sums, levels, j, v[j], v[j + 1], v[j + 2], v[j + 3], d0, mask);
+      add_quad<R>(sums, levels, j, v[j], v[j + 1], v[j + 2], v[j + 3], d0, mask);
     }
     if (j < n_keys) {  // past the block's last key, its row again, at level 0
       const int64_t last = n_keys - 1;
-      add_quad<R, kWhole>(sums, levels, j, v[j], v[j + 1 < last ? j + 1 : last],
+      add_quad<R>(sums, levels, j, v[j], v[j + 1 < last ? j + 1 : last],
                           v[j + 2 < last ? j + 2 : last], v[last], d0, mask);
     }
 #pragma GCC unroll 4
@@ -273,17 +265,13 @@ struct Avx512VnniInt8Kernels {
     }
   }
 
-  template <bool kWhole>
+  // Four rows at a time, the rest one by one (as scores).
   static void pv_rows(int count, const uint8_t* const* lv, const float* factors,
                       const int8_t* const* v, int64_t n_keys, int64_t d0, int64_t dim,
                       float* const* out, int64_t ask, int64_t listed) {
-    switch (count) {
-      case 0: break;
-      case 1: pv_chunk<1, kWhole>(lv, factors, v, n_keys, d0, dim, out, ask, listed); break;
-      case 2: pv_chunk<2, kWhole>(lv, factors, v, n_keys, d0, dim, out, ask, listed); break;
-      case 3: pv_chunk<3, kWhole>(lv, factors, v, n_keys, d0, dim, out, ask, listed); break;
-      default: pv_chunk<4, kWhole>(lv, factors, v, n_keys, d0, dim, out, ask, listed); break;
-    }
+    if (count == 4) return pv_chunk<4>(lv, factors, v, n_keys, d0, dim, out, ask, listed);
+    for (int r = 0; r < count; ++r)
+      pv_chunk<1>(lv + r, factors + r, v, n_keys, d0, dim, out + r, r == 0 ? ask : 0, listed);
   }
 
   static void accumulate_pv(const float* const* p, int rows, const int8_t* const* v,
@@ -306,10 +294,7 @@ struct Avx512VnniInt8Kernels {
       const int64_t a = r0 == 0 ? ahead : 0;
       for (int64_t d0 = 0; d0 < dim; d0 += 64) {
         const int64_t ask = d0 == 0 ? a : 0;
-        if (dim - d0 >= 64)
-          pv_rows<true>(count, lv, factors, v, n_keys, d0, dim, out, ask, listed);
-        else
-          pv_rows<false>(count, lv, factors, v, n_keys, d0, dim, out, ask, listed);
+        pv_rows(count, lv, factors, v, n_keys, d0, dim, out, ask, listed);
       }
     }
   }
