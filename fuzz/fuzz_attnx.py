@@ -24,7 +24,9 @@ another shape (they must raise), and ``CausalBias`` masks for sdpa. Each entry p
   tolerances, NaN/Inf where it has them) -- and an unmutated call must give one; a call
   with ``precision="bfloat16"`` (drawn for sdpa, multi-head attention, the module, the caches,
   the decoding steps, the transformer layers, varlen_attention and paged_attention) against
-  the reference of the same rounding, within BF16_TOL of the values' magnitude;
+  the reference of the same rounding, within BF16_TOL of the values' magnitude, and one with
+  ``precision="int8"`` (cached_attention over an int8 cache; refused over the others) against
+  the reference's int8 arithmetic within the same;
 * ``ValueError``, ``TypeError`` or ``NotImplementedError``;
 * ``MemoryError`` only for requests that are truly huge (flagged where they are built).
 

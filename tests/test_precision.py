@@ -594,6 +594,20 @@ def test_decoding_a_bfloat16_cache_within_the_bounds(E, keys):
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_a_decoding_rows_bits_do_not_depend_on_the_rows_beside_it(cache_dtype):
+    # Grouped heads go through the row kernels several rows at a time (four, or one by one on
+    # the pairs route's bfloat16 cache): a head's bits are the same with any number of others.
+    dtype = _cache_dtype(cache_dtype)
+    rng = np.random.default_rng(21)
+    cache = attnx.KVCache(1, 1, 700, 128, dtype)
+    cache.append(f32(rng, (1, 1, 700, 128)), f32(rng, (1, 1, 700, 128)))
+    q = f32(rng, (1, 4, 1, 128))
+    four = attnx.cached_attention(q, cache, precision=BF16)
+    for heads in (1, 2, 3):
+        assert_identical(attnx.cached_attention(q[:, :heads], cache, precision=BF16), four[:, :heads])
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_decoding_rounds_a_float32_cache_as_it_reads_it(cache_dtype):
     # One key and scale 1: the probability is 1, exact, so the output is the value row as the
     # products take it. Decoding reads the cache in place and rounds a float32 element to

@@ -43,11 +43,14 @@ BAD_PRECISIONS = ["bf16", "float16", "BFLOAT16", 16, True, np.float32]
 BF16_TOL = 1.5e-2
 
 
-def draw_precision(p: Provider, compute):
+def draw_precision(p: Provider, compute, int8_cache=None):
     """``(precision, invalid)`` for a call computing in `compute`: bfloat16 with float64, or
-    an unknown name, is invalid (ValueError)."""
+    an unknown name, is invalid (ValueError). Attention over a cache (`int8_cache`: whether it
+    is int8) also draws "int8", invalid with a cache of another dtype."""
     if p.bool(0.02):
         return p.choice(BAD_PRECISIONS), True
+    if int8_cache is not None and p.bool(0.2 if int8_cache else 0.03):
+        return "int8", not int8_cache
     precision = p.choice(PRECISIONS)
     if precision == "bfloat16" and np.dtype(compute).type is np.float64:  # (either byte order)
         return (precision, True) if p.bool(0.25) else (None, False)
@@ -74,6 +77,14 @@ def bf16_tolerance(arrays) -> dict:
                 finite = np.abs(a.astype(np.float64)[np.isfinite(a.astype(np.float64))])
             scale = max(scale, float(finite.max(initial=0.0)))
     return dict(rtol=BF16_TOL, atol=BF16_TOL * scale)
+
+
+def int8_tolerance(arrays) -> dict:
+    """assert_allclose's tolerance of an int8-precision result against the int8 reference:
+    bf16_tolerance's, whose absolute part (1.5% of the largest value) covers a probability's
+    level landing one step (1/127 of its block's largest) apart, and a row with non-finite
+    values among its closed keys, whose products with the values are float32 ones."""
+    return bf16_tolerance(arrays)
 
 
 def is_float(a) -> bool:

@@ -18,8 +18,8 @@ from attnx import reference
 
 from .common import (
     F32, F64, HALVES, I8, OUTCOMES, TOL, Disallowed, Provider, bf16_tolerance, cache_contents, call,
-    check_untouched, compare, draw_precision, held, logits_moderate, mutate, reference_of, same_held,
-    snapshot, still_held, values,
+    check_untouched, compare, draw_precision, held, int8_tolerance, logits_moderate, mutate, reference_of,
+    same_held, snapshot, still_held, values,
 )
 
 
@@ -87,7 +87,7 @@ def fuzz_cache(p: Provider):
             args["window"] = (p.choice([None, 0, 1, 30]), p.choice([None, 0, 3]))
         args["scale"] = p.choice([0.0, 0.3, -1.0, 2.0]) if p.bool(0.25) else None
         args["out"] = np.full((B, Hk * group, T, Dv), np.nan, q_dtype) if p.bool(0.25) else None
-        precision, invalid = draw_precision(p, dtype)
+        precision, invalid = draw_precision(p, dtype, int8_cache=cache.dtype == I8)
         n_mut = p.choice([0, 0, 0, 1, 2])
         mutate(p, args, ["query", "key", "value", "lengths", "window", "scale", "out"], n_mut)
         before, held_before = cache.lengths.copy(), held(cache)
@@ -110,8 +110,8 @@ def fuzz_cache(p: Provider):
         q = np.asarray(args["query"])
         n = (np.full(B, q.shape[2]) if args["lengths"] is None else np.asarray(args["lengths"])).astype(np.int64)
         key, value = cache_contents(cache)
-        bf16 = precision == "bfloat16"
-        as_computed = (lambda x: np.asarray(x, F32)) if bf16 else (lambda x: np.asarray(x, np.float64))
+        bf16, int8 = precision == "bfloat16", precision == "int8"
+        as_computed = (lambda x: np.asarray(x, F32)) if bf16 or int8 else (lambda x: np.asarray(x, np.float64))
         expected = reference_of(lambda: reference.cached_attention(
             as_computed(q), as_computed(key), as_computed(value), cache.lengths, query_lengths=n,
             scale=args["scale"], window=args["window"], precision=precision))
@@ -126,8 +126,10 @@ def fuzz_cache(p: Provider):
         # has the query's, so the looser of the two sets the tolerance.
         compute = np.dtype(F64 if cache.dtype == F64 else F32)
         tolerance = got.dtype if got.dtype.itemsize <= compute.itemsize else compute
-        if bf16:
-            tolerance = bf16_tolerance([value])
+        if int8:
+            OUTCOMES["cached_attention: int8 precision computed"] += 1
+        if bf16 or int8:
+            tolerance = int8_tolerance([value]) if int8 else bf16_tolerance([value])
             if got.dtype.itemsize == 2:  # and the result's own rounding
                 tolerance["rtol"] += TOL[got.dtype]["rtol"]
         compare(got, expected, np.dtype(got.dtype), "cached_attention", [q, key, value], moderate, tolerance)

@@ -162,12 +162,13 @@ def _quantize_rows_int8(x):
 _INT8_BLOCK = 128
 
 
-def _int8_probabilities_times_values(exps, v):
+def _int8_probabilities_times_values(exps, v, allowed):
     """sum_j p8_j v8_j per block of _INT8_BLOCK keys, times the block's top / 127, summed over
     the blocks (see the module's notes): exps ``(..., L, S)`` unnormalized probabilities, v
-    ``(..., S, Ev)`` the values as stored."""
+    ``(..., S, Ev)`` the values as stored, ``allowed`` the keys each row attends (a masked key's
+    value, NaN or not, does not reach the row)."""
     v8, vs = _quantize_rows_int8(v)
-    w = exps * np.swapaxes(vs, -1, -2)  # (..., L, S)
+    w = np.where(allowed, exps * np.swapaxes(vs, -1, -2), 0.0)  # (..., L, S)
     S = w.shape[-1]
     blocks = -(-S // _INT8_BLOCK)
     pad = blocks * _INT8_BLOCK - S
@@ -307,7 +308,7 @@ def _attention_core(q, k, v, bias, scale, softcap, stages, products):
     stages["softmax"] = weights
 
     if int8:
-        return _int8_probabilities_times_values(exps, v) / denom, weights
+        return _int8_probabilities_times_values(exps, v, allowed) / denom, weights
     # With bfloat16 products, the unnormalized probabilities are rounded and their product
     # with the values is divided by the sum of the unrounded ones.
     factors, divisor = (_bfloat16_operand(exps), denom) if bfloat16 else (weights, None)
