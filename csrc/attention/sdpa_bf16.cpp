@@ -111,10 +111,16 @@ StoredView<float> bits_view(const StridedView<const uint16_t, 4>& bits) {
 // rounds its operands: scale * q, not scale * q / softcap, which a large cap
 // would push into bfloat16's flushed subnormals).
 void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
-                   const Bf16KernelTable& kt16, Bf16Operands& ops, SdpaArgs<float>& a16) {
+                   const Bf16KernelTable& kt16, SdpaPath path, Bf16Operands& ops,
+                   SdpaArgs<float>& a16) {
   const int64_t B = a.query.shape[0], Hq = a.query.shape[1], L = a.query.shape[2];
   const int64_t E = a.query.shape[3];
   ops.queries = cache_line_array<float>(size_t(std::max<int64_t>(1, B * Hq * L * E)));
+  // The row path's pairs over a bfloat16 cache take them as bfloat16 bits.
+  const bool bits = path == SdpaPath::kRows && kt16.scores_bf16_rows &&
+                    a.key.storage == Storage::kBFloat16 &&
+                    bf16_products() == Bf16Products::kPairs;
+  if (bits) ops.query_bits = cache_line_array<uint16_t>(size_t(std::max<int64_t>(1, B * Hq * L * E)));
   const float query_scale = a.scale;
   parallel_for(B * Hq, threads_for(kConvertWork * double(B * Hq * L * E)),
                [&](int64_t bh) {
@@ -123,6 +129,7 @@ void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
                    float* dst = ops.queries.get() + (bh * L + i) * E;
                    kt.scale(a.query.at(bh / Hq, bh % Hq, i), E, query_scale, dst);
                    kt16.round_in_place(dst, E);
+                   if (bits) kt16.round(dst, E, ops.query_bits.get() + (bh * L + i) * E);  // exact
                  }
                });
   StridedView<const float, 4>& q = a16.query;
@@ -146,7 +153,7 @@ void prepare_bf16(const SdpaArgs<float>& a, const KernelTable<float>& kt, SdpaPa
   ops.as_pairs = tiles && bf16_products() == Bf16Products::kPairs;
   // Queries: the pairs' tile path rounds round(scale * q) as it packs a
   // tile; the others read a copy of them, whose scale is then 1.
-  if (!ops.as_pairs) round_queries(a, kt, kt16, ops, a16);
+  if (!ops.as_pairs) round_queries(a, kt, kt16, path, ops, a16);
   // The row path reads the keys and values where they are (flash_rows).
   if (path == SdpaPath::kRows) return;
   if (tiles && !ops.as_pairs) {

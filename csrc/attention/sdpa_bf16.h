@@ -52,6 +52,9 @@ struct Bf16Operands {
   // sequences could take more memory than the pool).
   bool round_blocks = false;
   CacheLineArray<float> queries;
+  // The row path's queries as bfloat16 bits (queries' layout), for the
+  // pairs kernels over a bfloat16 cache (scores_bf16_rows); empty elsewhere.
+  CacheLineArray<uint16_t> query_bits;
   CacheLineArray<uint16_t> keys, values;  // copies where needed
   CacheLineArray<float> float_keys, float_values;  // the tile path's, for float32 products
   // Value pairs (B', Hk', S2, Ev), S2 = ceil(S / 2): pair p of column d is

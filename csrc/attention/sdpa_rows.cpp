@@ -12,7 +12,6 @@
 
 #include "attention/sdpa_rows.h"
 
-#include "attention/narrowing.h"
 #include "kernels/int8_table.h"
 
 namespace attnx::sdpa {
@@ -102,20 +101,18 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   }
   // On the pairs route (where vdpbf16ps pays: bf16_products), a bfloat16
   // cache's keys and values are read as pairs as they lie, against the
-  // queries as bfloat16 (into the keys' buffer, which they leave unused):
-  // no element is widened.
+  // queries as bfloat16 bits (prepared once for the call): no element is
+  // widened.
   const uint16_t* q16_rows[kQueryBlock];
   const bool pairs = kt16 && bf16_products() == Bf16Products::kPairs;
-  const bool pair_keys = pairs && kt16->scores_bf16_rows && keys.bits && keys.bits_kind == 1;
+  const bool pair_keys = pairs && c.bf16->query_bits && keys.bits && keys.bits_kind == 1;
   const bool pair_values =
       pairs && kt16->accumulate_pv_bf16_rows && values.bits && values.bits_kind == 1;
   if constexpr (std::is_same_v<T, float>) {
     if (pair_keys) {
-      auto* q16 = reinterpret_cast<uint16_t*>(k_buf);
-      for (int64_t r = 0; r < rows; ++r) {
-        narrow_to_bfloat16(q_rows[r], E, q16 + r * E);  // bfloat16 values already: exact
-        q16_rows[r] = q16 + r * E;
-      }
+      const int64_t L = a.query.shape[2];
+      for (int64_t r = 0; r < rows; ++r)
+        q16_rows[r] = c.bf16->query_bits.get() + ((b * Hq + head[r]) * L + row[r]) * E;
     }
   }
   const bool listed_keys =

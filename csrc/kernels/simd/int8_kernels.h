@@ -56,27 +56,22 @@ struct Int8Probabilities {
   bool adds() const { return nan || top > 0; }
   // The factor of the block's integer sums: NaN where a w_j is.
   float factor() const { return nan ? std::nanf("") : top / 127.0f; }
-  // p8 of w (in [0, 127]; 0 for NaN).
-  int32_t level(float w) const {
-    float y = inv_finite ? w * inv : w / top * 127.0f;
+  // y clamped to [0, 127] (NaN: 0) and rounded to nearest even, by adding
+  // and taking away 1.5 * 2^23 (exact there): in loops the compiler vectorizes.
+  static float clamped_level(float y) {
+    constexpr float kRound = 12582912.0f;
     y = y > 0.0f ? y : 0.0f;
     y = y < 127.0f ? y : 127.0f;
-    return static_cast<int32_t>(std::nearbyint(y));
+    return (y + kRound) - kRound;
   }
-  // levels[j] = level(p[j] * scales[j]) as float32, j < n, in a loop the
-  // compiler vectorizes: to nearest even by adding and taking away 1.5 *
-  // 2^23, exact for y in [0, 127].
+  // p8 of w.
+  float level(float w) const { return clamped_level(inv_finite ? w * inv : w / top * 127.0f); }
+  // levels[j] = level(p[j] * scales[j]), j < n.
   void levels_of(const float* p, const float* scales, int64_t n, float* levels) const {
-    if (!inv_finite) {
-      for (int64_t j = 0; j < n; ++j) levels[j] = static_cast<float>(level(p[j] * scales[j]));
-      return;
-    }
-    constexpr float kRound = 12582912.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      float y = p[j] * scales[j] * inv;
-      y = y > 0.0f ? y : 0.0f;
-      y = y < 127.0f ? y : 127.0f;
-      levels[j] = (y + kRound) - kRound;
+    if (inv_finite) {
+      for (int64_t j = 0; j < n; ++j) levels[j] = clamped_level(p[j] * scales[j] * inv);
+    } else {
+      for (int64_t j = 0; j < n; ++j) levels[j] = clamped_level(p[j] * scales[j] / top * 127.0f);
     }
   }
 };
@@ -120,7 +115,7 @@ struct PortableInt8Kernels {
         const int64_t n = dim - d0 < kColumns ? dim - d0 : kColumns;
         for (int64_t d = 0; d < n; ++d) sums[d] = 0;
         for (int64_t j = 0; j < n_keys; ++j) {
-          const int32_t level = q.level(p[r][j] * v_scales[j]);
+          const auto level = static_cast<int32_t>(q.level(p[r][j] * v_scales[j]));
           if (level == 0) continue;
           const int8_t* vj = v[j] + d0;
           for (int64_t d = 0; d < n; ++d) sums[d] += level * int32_t(vj[d]);
