@@ -216,6 +216,26 @@ def test_a_rows_results_do_not_depend_on_the_rows_beside_it():
         assert_identical(attnx.cached_attention(q[:, :heads], cache, precision=INT8), four[:, :heads])
 
 
+def test_a_sequences_results_do_not_depend_on_a_longer_one_beside_it():
+    # A sequence's key chunks follow its own length (3000 keys: four of 768; 9000: five of
+    # 2048), so a sequence decoded beside a longer one, or alone, gives the same bits, and the
+    # longer one agrees with the reference.
+    rng = np.random.default_rng(10)
+    B, Hk, Hq, E, lengths = 2, 2, 8, 128, [3000, 9000]
+    k = rng.standard_normal((B, Hk, 9000, E), dtype=np.float32)
+    v = rng.standard_normal((B, Hk, 9000, E), dtype=np.float32)
+    both = attnx.KVCache(B, Hk, 9000, E, np.int8)
+    both.append(k, v, lengths=lengths)
+    alone = attnx.KVCache(1, Hk, 3000, E, np.int8)
+    alone.append(k[:1, :, :3000], v[:1, :, :3000])
+    q = rng.standard_normal((B, Hq, 1, E), dtype=np.float32)
+    got = attnx.cached_attention(q, both, precision=INT8)
+    assert_identical(got[:1], attnx.cached_attention(q[:1], alone, precision=INT8))
+    key, value, held = _as_read(both)
+    want = reference.cached_attention(q, key, value, held, precision=INT8)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
 # Decoding over unit-normal keys and values (test_precision's case): the largest error against
 # float64 of the unquantized data is 7.8e-3 (the default precision's on the same cache: 3.9e-3);
 # about 1.5x that. The issue of the quantized query and probabilities on top of the cache's own.

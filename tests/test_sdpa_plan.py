@@ -133,6 +133,16 @@ def test_decoding_cuts_the_keys_read_into_chunks(S):
     assert (p["chunks"] > 1) == (S > chunk)
 
 
+# With int8 products a chunk is a quarter of the keys, in whole blocks, from key_chunk to four
+# times that: (keys read, chunks).
+@pytest.mark.parametrize("S, chunks", [(1, 1), (512, 1), (513, 2), (1000, 2), (2048, 4), (2049, 4),
+                                       (3000, 4), (8192, 4), (8193, 5), (20_000, 10)])
+def test_int8_products_cut_the_keys_into_chunks_of_a_quarter(S, chunks):
+    p = plan(call_of(Hq=32, Hk=8, L=1, S=S, E=128, int8_products=True))
+    assert p["path"] == "rows" and p["chunks"] == chunks
+    assert plan(call_of(Hq=32, Hk=8, L=1, S=S, E=128))["chunks"] == max(1, ceil_div(S, C["key_chunk"]))
+
+
 def test_chunks_follow_the_keys_read_not_the_stored_keys():
     chunk = C["key_chunk"]
     p = plan(call_of(L=1, S=4096, S_read=600, key_lengths=True))

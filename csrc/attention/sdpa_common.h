@@ -187,15 +187,18 @@ LineRange stored_row_lines(const StoredView<T>& v, int64_t b, int64_t h, int64_t
 }
 
 // Asks for the next `count` lines of `lines` (from lines.begin) to be
-// brought into L2 (not L1, where the block being computed is).
-inline void request_lines_to_l2(LineRange& lines, int64_t count) {
-  count = std::min(count, lines.size());
+// brought into L2 (not L1, where the block being computed is). With
+// `one_of_two`, only the even lines of the next 2 `count` (the core's
+// spatial prefetcher brings the other of an aligned pair on its own).
+inline void request_lines_to_l2(LineRange& lines, int64_t count, bool one_of_two = false) {
+  count = std::min(one_of_two ? 2 * count : count, lines.size());
   if (count <= 0) return;
   int64_t row = lines.begin / lines.row_lines, line = lines.begin - row * lines.row_lines;
   uintptr_t row_start = lines.first + uintptr_t(row * lines.ld_bytes);
   for (int64_t k = 0; k < count; ++k) {
 #if defined(__GNUC__)
-    __builtin_prefetch(reinterpret_cast<const void*>(row_start + uintptr_t(line * 64)), 0, 2);
+    if (!one_of_two || ((lines.begin + k) & 1) == 0)
+      __builtin_prefetch(reinterpret_cast<const void*>(row_start + uintptr_t(line * 64)), 0, 2);
 #endif
     if (++line == lines.row_lines) line = 0, row_start += uintptr_t(lines.ld_bytes);
   }

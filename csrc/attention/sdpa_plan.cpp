@@ -41,7 +41,8 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
   const int64_t rows_per_head = grouped ? (Hq / Hk) * L : L;
   const int64_t rows_per_task = tiled || weights_tiled ? kernel.query_tile : kQueryBlock;
   const int64_t q_blocks = (rows_per_head + rows_per_task - 1) / rows_per_task;
-  const int64_t chunks = grouped ? std::max<int64_t>(1, (S_read + kKeyChunk - 1) / kKeyChunk) : 1;
+  const int64_t key_chunk = row_key_chunk(call.int8_products, S_read);
+  const int64_t chunks = grouped ? std::max<int64_t>(1, (S_read + key_chunk - 1) / key_chunk) : 1;
   const bool skips_blocks = call.masks || call.banded || call.key_lengths || call.query_lengths;
   const int64_t key_block = tile_key_block<T>(kernel.query_tile, E, Ev, skips_blocks);
   // Query tiles per task (flash_tiles): several where each tile's keys span
@@ -109,6 +110,7 @@ SdpaPlan plan_for(const SdpaShape& call, const KernelFacts& kernel, int nthreads
   plan.group = group;
   plan.q_groups = q_groups;
   plan.chunks = chunks;
+  plan.int8_products = call.int8_products;
   plan.tasks = B * heads * q_groups * chunks;
   plan.key_block = key_block;
   plan.ask_ahead = ask_ahead;
@@ -158,8 +160,9 @@ SdpaTasks::SdpaTasks(const SdpaPlan& plan, int64_t B, int64_t L, const int64_t* 
     const int64_t rows = heads_per_row_ * query_lengths[b];
     const int64_t q_blocks = (rows + plan.rows_per_task - 1) / plan.rows_per_task;
     const int64_t q_groups = (q_blocks + plan.group - 1) / plan.group;
+    const int64_t key_chunk = row_key_chunk(plan.int8_products, key_lengths ? key_lengths[b] : 0);
     const int64_t chunks =
-        key_lengths ? std::clamp<int64_t>((key_lengths[b] + kKeyChunk - 1) / kKeyChunk, 1,
+        key_lengths ? std::clamp<int64_t>((key_lengths[b] + key_chunk - 1) / key_chunk, 1,
                                           plan.chunks)
                     : plan.chunks;
     chunks_[size_t(b)] = chunks;

@@ -72,7 +72,8 @@ struct SdpaPlan {
   int64_t q_blocks = 0;       // blocks of rows_per_task rows per head
   int64_t group = 1;          // query tiles per task (flash_tiles)
   int64_t q_groups = 0;       // tasks per head and chunk
-  int64_t chunks = 1;         // key chunks of kKeyChunk keys per row (flash_rows)
+  int64_t chunks = 1;         // key chunks per row (flash_rows): at most, where sequences differ
+  bool int8_products = false; // the chunks' keys: row_key_chunk
   int64_t tasks = 0;
   int64_t key_block = 0;      // keys per block on the tile paths
   bool ask_ahead = false;     // the first tile of each task asks for its keys and values ahead

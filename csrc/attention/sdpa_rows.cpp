@@ -4,7 +4,7 @@
 // weights, each row's probabilities are written to the weights, then
 // out = p.V. Without weights, the rows of the query heads that share a key
 // head are taken together (each block of keys and values is read once per
-// group), and long key sequences are split into chunks of kKeyChunk keys,
+// group), and long key sequences are split into chunks (row_key_chunk),
 // one task each, whose softmax states (m, l, acc) are merged in chunk order:
 // decoding (one query, many keys) then uses every core.
 #include <algorithm>
@@ -26,9 +26,12 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   const KernelTable<T>& kt = c.kt;
   const int64_t chunks = c.plan.chunks, S_read = c.plan.S_read;
   // One chunk: every key read, the output rows written. Several: this
-  // chunk's keys, its states stored.
-  const int64_t j_begin = chunks == 1 ? 0 : chunk * kKeyChunk;
-  const int64_t j_end = chunks == 1 ? S_read : std::min(S_read, j_begin + kKeyChunk);
+  // chunk's keys, its states stored. The sequence's key length sets the
+  // chunks' keys, as it did the chunks (SdpaTasks).
+  const int64_t key_chunk = row_key_chunk(
+      c.plan.int8_products, a.range.key_lengths ? a.range.key_lengths[b] : S_read);
+  const int64_t j_begin = chunks == 1 ? 0 : chunk * key_chunk;
+  const int64_t j_end = chunks == 1 ? S_read : std::min(S_read, j_begin + key_chunk);
   T* states = chunks == 1 ? nullptr : c.states;
   const int64_t Hq = a.query.shape[1], E = a.query.shape[3];
   const int64_t Ev = a.value.shape(3), group = Hq / a.key.shape(1);
@@ -171,14 +174,31 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     T* acc_plain[kQueryBlock];
     int plain = 0;
     const MaskBlock mask_block = masks.classify(a, start, n);
+    // With int8 products the block's values (past the lead) are asked for
+    // while the rows' softmax runs, a share before each row's maximum and
+    // each row's exponentials: the memory is idle then, and the P.V that
+    // follows finds them in L2. One line of each pair: a request holds a
+    // line fill buffer until its line arrives, and a burst of them stalls
+    // the softmax (measurements: docs/tuning.md).
+    LineRange values_ahead;
+    if (kt8 && n > kBlockLeadRows)
+      values_ahead = stored_row_lines(a.value, b, kv_head, start + kBlockLeadRows, n - kBlockLeadRows);
+    int64_t shares = 2 * rows;
+    const auto ask_share = [&] {
+      const int64_t pairs = (values_ahead.size() + 1) / 2;
+      request_lines_to_l2(values_ahead, (pairs + shares - 1) / shares, true);
+      shares = std::max<int64_t>(1, shares - 1);
+    };
     for (int64_t r = 0; r < rows; ++r) {
       T* s = s_rows[r];
       const KeyStates states = masks.apply(a, b, head[r], row[r], start, n, s, mask_block);
       open[r] = open[r] || states.any_open;
       // (2) new running max and the rescale of what was accumulated
+      ask_share();
       const T m_new = max_ignoring_nan(m[r], kt.row_max(s, n));
       const T shift = exp_shift(m_new);
       const T alpha = std::exp(m[r] - shift);
+      ask_share();
       const T block_sum = kt.exp_shift_sum(s, n, shift);
       round_operands(c, s, n);
       // (3) update

@@ -3,6 +3,7 @@
 // the weights of long key sequences). See sdpa_rows.cpp.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "attention/sdpa_common.h"
@@ -13,6 +14,21 @@ namespace attnx::sdpa {
 constexpr int64_t kQueryBlock = 32;   // rows per task on the row path
 constexpr int64_t kKeyBlock = 128;    // keys per block on the row path
 constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multiple of kKeyBlock)
+// Keys per task on the row path for a sequence of `keys` keys: kKeyChunk,
+// or with int8 products a quarter of the keys, in whole blocks, from
+// kKeyChunk to 4 kKeyChunk. An int8 row is a quarter of a float32 one, so
+// that what every task pays (its setup, its state, its share of the merge)
+// weighs four times as much on kKeyChunk int8 keys; 4 kKeyChunk of them
+// are the bytes of kKeyChunk float32 rows. At most a quarter keeps four
+// tasks a sequence for the threads. The sequence's own length sets it, not
+// the call's or the thread count, so that a row's bits depend on neither;
+// the other precisions keep kKeyChunk, which their bits depend on
+// (measurements: docs/tuning.md).
+inline int64_t row_key_chunk(bool int8_products, int64_t keys) {
+  if (!int8_products) return kKeyChunk;
+  const int64_t quarter = (keys + 3) / 4;
+  return std::clamp((quarter + kKeyBlock - 1) / kKeyBlock * kKeyBlock, kKeyChunk, 4 * kKeyChunk);
+}
 // Rows of the next stream the row path asks for before a kernel starts on
 // the current one: the row kernels request rows a few ahead of their reads,
 // but only within their block, so each switch between the key and the value

@@ -24,7 +24,7 @@ SdpaShape shape_from(const py::dict& d) {
       "B", "Hq", "Hk", "L", "S", "E", "Ev", "S_read", "element_size", "keys_16bit",
       "values_16bit", "keys_batch_broadcast", "keys_head_broadcast", "values_batch_broadcast",
       "values_head_broadcast", "masks", "banded", "key_lengths", "query_lengths", "weights",
-      "values_on_lines", "packed", "bf16_products"};
+      "values_on_lines", "packed", "bf16_products", "int8_products"};
   for (const auto& item : d) {
     const std::string key = py::str(item.first);
     bool found = false;
@@ -74,6 +74,7 @@ SdpaShape shape_from(const py::dict& d) {
   call.query_lengths = flag("query_lengths", false);
   call.weights = flag("weights", false);
   call.values_on_lines = flag("values_on_lines", true);
+  call.int8_products = flag("int8_products", false);
   call.bf16_products = flag("bf16_products", false);
   call.packed = flag("packed", false);
   return call;

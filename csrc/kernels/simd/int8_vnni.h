@@ -138,12 +138,93 @@ struct Avx512VnniInt8Kernels {
     }
   }
 
+  // Four rows' scores at a head dim of 128, four keys at a time, with fewer
+  // shuffles than scores_group<4, 2>'s sum4x4 and the same sums: the rows'
+  // bytes are rotated across the 128-bit lanes of four query operands (in
+  // operand t, lane group g holds row (g + t) % 4's bytes of that group), so
+  // that a key's four accumulators, each rotated back by its t, add up to one
+  // vector whose group r holds row r's partial sums. One shuffle in place of
+  // about two per key and row (measurements: docs/tuning.md).
+  static void scores_four_rows_128(const int8_t* const* q, const float* q_scales,
+                                   const int8_t* const* k, const float* k_scales, int64_t n_keys,
+                                   int64_t listed, float* const* dst, int64_t ahead) {
+    constexpr int64_t dim = 128;
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    int32_t offset[4];
+    for (int r = 0; r < 4; ++r) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < dim; ++i) sum += q[r][i];
+      offset[r] = 128 * sum;
+    }
+    const __m512i offsets = _mm512_set_epi32(offset[3], offset[3], offset[3], offset[3], offset[2], offset[2],
+                                             offset[2], offset[2], offset[1], offset[1], offset[1], offset[1],
+                                             offset[0], offset[0], offset[0], offset[0]);
+    const __m512 row_scales = _mm512_set_ps(q_scales[3], q_scales[3], q_scales[3], q_scales[3], q_scales[2],
+                                            q_scales[2], q_scales[2], q_scales[2], q_scales[1], q_scales[1],
+                                            q_scales[1], q_scales[1], q_scales[0], q_scales[0], q_scales[0],
+                                            q_scales[0]);
+    __m512i rotated[2][4];
+    for (int c = 0; c < 2; ++c)
+      for (int t = 0; t < 4; ++t) {
+        __m512i v = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g)
+          v = _mm512_mask_loadu_epi8(v, __mmask64(0xFFFF) << (16 * g), q[(g + t) % 4] + 64 * c);
+        rotated[c][t] = v;
+      }
+    int64_t j = 0;
+    for (; j + 4 <= n_keys; j += 4) {
+      if (ahead && j + ahead + 4 <= listed)
+        for (int u = 0; u < 4; ++u) prefetch_rows(k[j + ahead + u], 0, 1, dim);
+      __m512i acc[4][4];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) acc[u][t] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          const __m512i ku = _mm512_xor_si512(_mm512_loadu_si512(k[j + u] + 64 * c), bias);
+#pragma GCC unroll 4
+          for (int t = 0; t < 4; ++t) acc[u][t] = _mm512_dpbusd_epi32(acc[u][t], ku, rotated[c][t]);
+        }
+      // Group g of operand t held row (g + t) % 4: lane group L takes group
+      // L - t of it (shuffle immediates 0x93, 0x4E, 0x39 for t = 1, 2, 3).
+      __m512i by_row[4];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+        by_row[u] = _mm512_add_epi32(
+            _mm512_add_epi32(acc[u][0], _mm512_shuffle_i32x4(acc[u][1], acc[u][1], 0x93)),
+            _mm512_add_epi32(_mm512_shuffle_i32x4(acc[u][2], acc[u][2], 0x4E),
+                             _mm512_shuffle_i32x4(acc[u][3], acc[u][3], 0x39)));
+      // 128-bit lane r: row r's sums of keys j..j + 3.
+      const __m512i sums = lane_sums4(by_row[0], by_row[1], by_row[2], by_row[3]);
+      const __m512 factor = _mm512_mul_ps(row_scales, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
+      const __m512 s4 = _mm512_mul_ps(factor, _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offsets)));
+      _mm_storeu_ps(dst[0] + j, _mm512_castps512_ps128(s4));
+      _mm_storeu_ps(dst[1] + j, _mm512_extractf32x4_ps(s4, 1));
+      _mm_storeu_ps(dst[2] + j, _mm512_extractf32x4_ps(s4, 2));
+      _mm_storeu_ps(dst[3] + j, _mm512_extractf32x4_ps(s4, 3));
+    }
+    if (j == n_keys) return;
+    // The last keys (fewer than four), row by row.
+    for (int r = 0; r < 4; ++r) {
+      float* tail = dst[r] + j;
+      scores_group<1, 2>(q + r, q_scales + r, k + j, k_scales + j, n_keys - j, listed - j, dim,
+                         &tail, 0);
+    }
+  }
+
   template <int R>
   static void scores_rows(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
                           const float* k_scales, int64_t n_keys, int64_t listed, int64_t dim,
                           float* const* dst, int64_t ahead) {
     // Head dims of 128 (the common one) unrolled, the others in the loop.
-    if (dim == 128) return scores_group<R, 2>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+    if (dim == 128) {
+      if constexpr (R == 4)
+        return scores_four_rows_128(q, q_scales, k, k_scales, n_keys, listed, dst, ahead);
+      return scores_group<R, 2>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+    }
     scores_group<R, 0>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
   }
 
@@ -195,14 +276,18 @@ struct Avx512VnniInt8Kernels {
 
   // sums[r][t] += the products of rows r0..r3's bytes [d0, d0 + 64) with
   // their levels (keys j..j + 3 of levels[r]), interleaved as pv_chunk says.
-  template <int R>
+  // Full: the chunk's 64 bytes are all in the rows, loaded without a mask
+  // (masked loads from L3 took 1.13x the time of plain ones: docs/tuning.md).
+  template <int R, bool Full>
   [[gnu::always_inline]] static inline void add_quad(__m512i (&sums)[R][4],
                                                      const uint8_t* const* levels, int64_t j,
                                                      const int8_t* r0, const int8_t* r1,
                                                      const int8_t* r2, const int8_t* r3,
                                                      int64_t d0, __mmask64 mask) {
-    const __m512i v0 = load_bytes(r0 + d0, mask), v1 = load_bytes(r1 + d0, mask);
-    const __m512i v2 = load_bytes(r2 + d0, mask), v3 = load_bytes(r3 + d0, mask);
+    const auto load = [mask](const int8_t* at) {
+      return Full ? _mm512_loadu_si512(at) : load_bytes(at, mask);
+    };
+    const __m512i v0 = load(r0 + d0), v1 = load(r1 + d0), v2 = load(r2 + d0), v3 = load(r3 + d0);
     const __m512i a = _mm512_unpacklo_epi8(v0, v1), b = _mm512_unpackhi_epi8(v0, v1);
     const __m512i c = _mm512_unpacklo_epi8(v2, v3), e = _mm512_unpackhi_epi8(v2, v3);
     const __m512i x0 = _mm512_unpacklo_epi16(a, c), x1 = _mm512_unpackhi_epi16(a, c);
@@ -223,7 +308,7 @@ struct Avx512VnniInt8Kernels {
   // interleaved, so that each int32 lane takes one column's four products;
   // the lanes come out permuted (lane e of 128-bit lane L of sums[t] holds
   // column 16 L + 4 t + e) and are put back in order when added to acc.
-  template <int R>
+  template <int R, bool Full>
   static void pv_chunk(const uint8_t* const* levels, const float* factors, const int8_t* const* v,
                        int64_t n_keys, int64_t d0, int64_t dim, float* const* acc,
                        int64_t ahead, int64_t listed) {
@@ -237,11 +322,11 @@ struct Avx512VnniInt8Kernels {
     for (; j + 4 <= n_keys; j += 4) {
       if (ahead && j + ahead + 4 <= listed)
         for (int u = 0; u < 4; ++u) prefetch_rows(v[j + ahead + u], 0, 1, dim);
-      add_quad<R>(sums, levels, j, v[j], v[j + 1], v[j + 2], v[j + 3], d0, mask);
+      add_quad<R, Full>(sums, levels, j, v[j], v[j + 1], v[j + 2], v[j + 3], d0, mask);
     }
     if (j < n_keys) {  // past the block's last key, its row again, at level 0
       const int64_t last = n_keys - 1;
-      add_quad<R>(sums, levels, j, v[j], v[j + 1 < last ? j + 1 : last],
+      add_quad<R, Full>(sums, levels, j, v[j], v[j + 1 < last ? j + 1 : last],
                           v[j + 2 < last ? j + 2 : last], v[last], d0, mask);
     }
 #pragma GCC unroll 4
@@ -269,9 +354,17 @@ struct Avx512VnniInt8Kernels {
   static void pv_rows(int count, const uint8_t* const* lv, const float* factors,
                       const int8_t* const* v, int64_t n_keys, int64_t d0, int64_t dim,
                       float* const* out, int64_t ask, int64_t listed) {
-    if (count == 4) return pv_chunk<4>(lv, factors, v, n_keys, d0, dim, out, ask, listed);
-    for (int r = 0; r < count; ++r)
-      pv_chunk<1>(lv + r, factors + r, v, n_keys, d0, dim, out + r, r == 0 ? ask : 0, listed);
+    const bool full = dim - d0 >= 64;
+    if (count == 4)
+      return full ? pv_chunk<4, true>(lv, factors, v, n_keys, d0, dim, out, ask, listed)
+                  : pv_chunk<4, false>(lv, factors, v, n_keys, d0, dim, out, ask, listed);
+    for (int r = 0; r < count; ++r) {
+      const int64_t a = r == 0 ? ask : 0;
+      if (full)
+        pv_chunk<1, true>(lv + r, factors + r, v, n_keys, d0, dim, out + r, a, listed);
+      else
+        pv_chunk<1, false>(lv + r, factors + r, v, n_keys, d0, dim, out + r, a, listed);
+    }
   }
 
   static void accumulate_pv(const float* const* p, int rows, const int8_t* const* v,
