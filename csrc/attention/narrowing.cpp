@@ -105,13 +105,19 @@ namespace {
 
 template <typename S>
 float quantize_int8_row(const S* src, int64_t n, int8_t* dst) {
-  float amax = 0;
-  bool finite = true;
+  // The largest |x| as the largest of the magnitudes' bits: for floats
+  // without sign, the integers' order is the floats' (zero, subnormals,
+  // infinity), and every NaN lies above infinity. A maximum of integers
+  // vectorizes; one of floats, which must skip NaN, did not (the query rows
+  // of every step with int8 products go through here).
+  uint32_t top = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(static_cast<float>(src[i]));
-    finite = finite && a <= std::numeric_limits<float>::max();
-    amax = a > amax ? a : amax;
+    const uint32_t magnitude = bits_of(static_cast<float>(src[i])) & 0x7fffffffu;
+    top = magnitude > top ? magnitude : top;
   }
+  const bool finite = top < 0x7f800000u;  // below infinity's bits
+  float amax;
+  std::memcpy(&amax, &top, sizeof amax);
   const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
   if (!(scale > 0)) {  // zeros, NaN
     std::fill(dst, dst + n, int8_t(0));

@@ -197,7 +197,9 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
       ask_share();
       const T m_new = max_ignoring_nan(m[r], kt.row_max(s, n));
       const T shift = exp_shift(m_new);
-      const T alpha = std::exp(m[r] - shift);
+      // exp(0) is 1: where the running maximum holds, as it does past a
+      // row's first blocks, the call is skipped.
+      const T alpha = m[r] == shift ? T(1) : std::exp(m[r] - shift);
       ask_share();
       const T block_sum = kt.exp_shift_sum(s, n, shift);
       round_operands(c, s, n);
