@@ -55,18 +55,43 @@ struct RowReader {
   // Rows [j0, j0 + n + extra) listed one pointer each into `rows` (the
   // extra rows only to be asked for ahead), and, for int8 rows, the scales
   // of [j0, j0 + n) into `row_scales`.
+  //
+  // A paged cache's runs are walked block by block from j0's (one division a
+  // call, not two a run), and an int8 run's scales are copied in the loop
+  // that lists its rows: a library copy a run of 16 rows took 5% of an int8
+  // step over blocks of 16 (docs/tuning.md).
   void list(int64_t j0, int64_t n, int64_t extra, const void** rows, float* row_scales) const {
     const int64_t element = q8 ? 1 : bits ? 2 : int64_t(sizeof(T)), bytes = ld * element;
     const char* base = q8     ? reinterpret_cast<const char*>(q8)
                        : bits ? reinterpret_cast<const char*>(bits)
                               : reinterpret_cast<const char*>(native);
-    for_each_run(j0, n + extra, [&](int64_t j, int64_t count) {
-      const char* row = base + offset(j) * element;
-      const void** dst = rows + (j - j0);
-      for (int64_t i = 0; i < count; ++i, row += bytes) dst[i] = row;
-      if (q8 && j < j0 + n)
-        std::copy_n(scale_of(j), std::min(count, j0 + n - j), row_scales + (j - j0));
-    });
+    const int64_t total = n + extra;
+    int64_t block = blocks ? j0 / block_size : 0, in = blocks ? j0 % block_size : j0;
+    for (int64_t i = 0; i < total; ++block, in = 0) {
+      const int64_t count = blocks ? std::min(total - i, block_size - in) : total;
+      const int64_t first = blocks ? blocks[block] * block_stride + in * ld : in * ld;
+      const char* row = base + first * element;
+      const float* s =
+          q8 ? scales + (blocks ? blocks[block] * scales_block_stride + in : in) : nullptr;
+      const int64_t scaled = q8 ? std::clamp<int64_t>(n - i, 0, count) : 0;
+      int64_t k = 0;
+      for (; k < scaled; ++k, row += bytes) rows[i + k] = row, row_scales[i + k] = s[k];
+      for (; k < count; ++k, row += bytes) rows[i + k] = row;
+      i += count;
+    }
+  }
+  // Asks for the int8 scales of rows [j0, j0 + n) of a paged cache, a line
+  // a block of the pool, to be brought into L2: one block's scales lie
+  // apart from the next one's, where no prefetcher finds them, and list()
+  // waited on each (a contiguous cache's are one stream).
+  void request_scales_to_l2(int64_t j0, int64_t n) const {
+#if defined(__GNUC__)
+    if (!q8 || !blocks || n <= 0) return;
+    for (int64_t block = j0 / block_size, last = (j0 + n - 1) / block_size; block <= last; ++block)
+      __builtin_prefetch(scales + blocks[block] * scales_block_stride, 0, 2);
+#else
+    (void)j0, (void)n;
+#endif
   }
   // Calls f(j, n) for the runs of rows [j0, j0 + count), in order.
   template <typename F>
@@ -187,22 +212,48 @@ LineRange stored_row_lines(const StoredView<T>& v, int64_t b, int64_t h, int64_t
 }
 
 // Asks for the next `count` lines of `lines` (from lines.begin) to be
-// brought into L2 (not L1, where the block being computed is). With
-// `one_of_two`, only the even lines of the next 2 `count` (the core's
-// spatial prefetcher brings the other of an aligned pair on its own).
-inline void request_lines_to_l2(LineRange& lines, int64_t count, bool one_of_two = false) {
-  count = std::min(one_of_two ? 2 * count : count, lines.size());
+// brought into L2 (not L1, where the block being computed is).
+inline void request_lines_to_l2(LineRange& lines, int64_t count) {
+  count = std::min(count, lines.size());
   if (count <= 0) return;
   int64_t row = lines.begin / lines.row_lines, line = lines.begin - row * lines.row_lines;
   uintptr_t row_start = lines.first + uintptr_t(row * lines.ld_bytes);
   for (int64_t k = 0; k < count; ++k) {
 #if defined(__GNUC__)
-    if (!one_of_two || ((lines.begin + k) & 1) == 0)
-      __builtin_prefetch(reinterpret_cast<const void*>(row_start + uintptr_t(line * 64)), 0, 2);
+    __builtin_prefetch(reinterpret_cast<const void*>(row_start + uintptr_t(line * 64)), 0, 2);
 #endif
     if (++line == lines.row_lines) line = 0, row_start += uintptr_t(lines.ld_bytes);
   }
   lines.begin += count;
+}
+
+// The cache lines of rows listed one pointer each, as the listed kernels
+// take them (a paged cache's rows lie in runs, one per block of the pool):
+// line k is line k % row_lines of row k / row_lines.
+struct ListedLines {
+  const void* const* rows = nullptr;
+  int64_t row_lines = 1;
+  int64_t begin = 0, end = 0;  // the lines to request
+
+  int64_t size() const { return end - begin; }
+};
+
+// Asks for the even lines among the next 2 `count` of `lines` to be
+// brought into L2: the core's spatial prefetcher brings the other line of
+// an aligned pair, and each request holds a line fill buffer until its
+// line arrives.
+inline void request_line_pairs_to_l2(ListedLines& lines, int64_t count) {
+  const int64_t stop = std::min(lines.end, lines.begin + 2 * count);
+  if (stop <= lines.begin) return;
+  int64_t row = lines.begin / lines.row_lines, line = lines.begin - row * lines.row_lines;
+  for (int64_t k = lines.begin; k < stop; ++k) {
+#if defined(__GNUC__)
+    if ((k & 1) == 0)
+      __builtin_prefetch(static_cast<const char*>(lines.rows[row]) + line * 64, 0, 2);
+#endif
+    if (++line == lines.row_lines) line = 0, ++row;
+  }
+  lines.begin = stop;
 }
 
 // A whole row's scores p[0..n), masked (closed keys -inf), made its
