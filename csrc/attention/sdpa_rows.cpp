@@ -174,21 +174,22 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     T* acc_plain[kQueryBlock];
     int plain = 0;
     const MaskBlock mask_block = masks.classify(a, start, n);
-    // With int8 products the block's values are listed here, and those past
-    // the lead are asked for while the rows' softmax runs, a share before
-    // each row's maximum and each row's exponentials: the memory is idle
-    // then, and the P.V that follows finds them in L2. Through the list, so
-    // that a paged cache's rows, which lie in runs, are asked for across
-    // its blocks. One line of each pair: a request holds a line fill buffer
-    // until its line arrives, and a burst of them stalls the softmax
-    // (measurements: docs/tuning.md).
+    // Listed values are listed here, before the softmax (the keys' list is
+    // done with). With int8 products those past the lead are asked for
+    // while the rows' softmax runs, a share before each row's maximum and
+    // each row's exponentials: the memory is idle then, and the P.V that
+    // follows finds them in L2. Through the list, so that a paged cache's
+    // rows, which lie in runs, are asked for across its blocks. One line of
+    // each pair: a request holds a line fill buffer until its line arrives,
+    // and a burst of them stalls the softmax (measurements: docs/tuning.md).
+    if (listed_values) values.list(start, n, ahead, listed, listed_scales);
     ListedLines values_ahead;
     if (kt8) {
       // The next block's scales too, where a paged cache scatters them.
       const int64_t next = std::min(j_end, j0 + kKeyBlock);
-      keys.request_scales_to_l2(next, std::min(j_end, next + kKeyBlock) - next);
-      values.request_scales_to_l2(next, std::min(j_end, next + kKeyBlock) - next);
-      values.list(start, n, ahead, listed, listed_scales);
+      const int64_t next_n = std::min(j_end, next + kKeyBlock) - next;
+      keys.request_scales_to_l2(next, next_n);
+      values.request_scales_to_l2(next, next_n);
       values_ahead.rows = listed + std::min(n, kBlockLeadRows);
       values_ahead.row_lines = (Ev + 63) / 64;
       values_ahead.end = std::max<int64_t>(0, n - kBlockLeadRows) * values_ahead.row_lines;
@@ -243,7 +244,6 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
       request_lines_to_l2(lead, lead.size());
     }
     if (listed_values) {
-      if (!kt8) values.list(start, n, ahead, listed, listed_scales);
       if constexpr (std::is_same_v<T, float>) {
         if (rounded_values)
           kt16->accumulate_pv_rounded(p_plain, plain, reinterpret_cast<const float* const*>(listed),

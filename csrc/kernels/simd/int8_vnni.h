@@ -49,6 +49,34 @@ struct Avx512VnniInt8Kernels {
     return _mm512_add_epi32(_mm512_shuffle_i32x4(w01, w23, 0x88), _mm512_shuffle_i32x4(w01, w23, 0xDD));
   }
 
+  // What a query row's sum loses where the keys go in as k + 128 (below):
+  // 128 * sum_i q[i].
+  static int32_t key_bias_offset(const int8_t* q, int64_t dim) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < dim; ++i) sum += q[i];
+    return 128 * sum;
+  }
+  // Four rows' values by 128-bit lane: lane r holds v[r] (sum4x4's order).
+  static __m512i by_lane(const int32_t* v) {
+    return _mm512_set_epi32(v[3], v[3], v[3], v[3], v[2], v[2], v[2], v[2], v[1], v[1], v[1], v[1],
+                            v[0], v[0], v[0], v[0]);
+  }
+  static __m512 by_lane(const float* v) {
+    return _mm512_set_ps(v[3], v[3], v[3], v[3], v[2], v[2], v[2], v[2], v[1], v[1], v[1], v[1],
+                         v[0], v[0], v[0], v[0]);
+  }
+  // dst[r][j..j + 3] from four rows' sums of keys j..j + 3, 128-bit lane r
+  // holding row r's: (q scale * k scale) * float(sum - offset).
+  static void store_four_rows(__m512i sums, __m512i offsets, __m512 row_scales,
+                              const float* k_scales, float* const* dst, int64_t j) {
+    const __m512 factor = _mm512_mul_ps(row_scales, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
+    const __m512 s4 = _mm512_mul_ps(factor, _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offsets)));
+    _mm_storeu_ps(dst[0] + j, _mm512_castps512_ps128(s4));
+    _mm_storeu_ps(dst[1] + j, _mm512_extractf32x4_ps(s4, 1));
+    _mm_storeu_ps(dst[2] + j, _mm512_extractf32x4_ps(s4, 2));
+    _mm_storeu_ps(dst[3] + j, _mm512_extractf32x4_ps(s4, 3));
+  }
+
   // Scores of R query rows, four keys at a time. vpdpbusd multiplies
   // unsigned bytes by signed ones: the keys go in as k + 128 (unsigned), and
   // each row's sum loses 128 * sum_i q_i again. C: the 64-byte chunks of a
@@ -59,24 +87,12 @@ struct Avx512VnniInt8Kernels {
                            float* const* dst, int64_t ahead) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     int32_t offset[R];
-    for (int r = 0; r < R; ++r) {
-      int32_t sum = 0;
-      for (int64_t i = 0; i < dim; ++i) sum += q[r][i];
-      offset[r] = 128 * sum;
-    }
+    for (int r = 0; r < R; ++r) offset[r] = key_bias_offset(q[r], dim);
     const int64_t chunks = C ? C : (dim + 63) / 64;
     // Four rows: their offsets and scales by 128-bit lane (sum4x4's order).
     __m512i offsets = _mm512_setzero_si512();
     __m512 row_scales = _mm512_setzero_ps();
-    if constexpr (R == 4) {
-      offsets = _mm512_set_epi32(offset[3], offset[3], offset[3], offset[3], offset[2], offset[2],
-                                 offset[2], offset[2], offset[1], offset[1], offset[1], offset[1],
-                                 offset[0], offset[0], offset[0], offset[0]);
-      row_scales = _mm512_set_ps(q_scales[3], q_scales[3], q_scales[3], q_scales[3], q_scales[2],
-                                 q_scales[2], q_scales[2], q_scales[2], q_scales[1], q_scales[1],
-                                 q_scales[1], q_scales[1], q_scales[0], q_scales[0], q_scales[0],
-                                 q_scales[0]);
-    }
+    if constexpr (R == 4) offsets = by_lane(offset), row_scales = by_lane(q_scales);
     int64_t j = 0;
     for (; j + 4 <= n_keys; j += 4) {
       if (ahead && j + ahead + 4 <= listed)
@@ -104,13 +120,7 @@ struct Avx512VnniInt8Kernels {
         }
       }
       if constexpr (R == 4) {
-        const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum4x4(acc), offsets));
-        const __m512 factor = _mm512_mul_ps(row_scales, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
-        const __m512 s4 = _mm512_mul_ps(factor, sums);
-        _mm_storeu_ps(dst[0] + j, _mm512_castps512_ps128(s4));
-        _mm_storeu_ps(dst[1] + j, _mm512_extractf32x4_ps(s4, 1));
-        _mm_storeu_ps(dst[2] + j, _mm512_extractf32x4_ps(s4, 2));
-        _mm_storeu_ps(dst[3] + j, _mm512_extractf32x4_ps(s4, 3));
+        store_four_rows(sum4x4(acc), offsets, row_scales, k_scales, dst, j);
         continue;
       }
       const __m128 ks = _mm_loadu_ps(k_scales + j);
@@ -151,18 +161,9 @@ struct Avx512VnniInt8Kernels {
     constexpr int64_t dim = 128;
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     int32_t offset[4];
-    for (int r = 0; r < 4; ++r) {
-      int32_t sum = 0;
-      for (int64_t i = 0; i < dim; ++i) sum += q[r][i];
-      offset[r] = 128 * sum;
-    }
-    const __m512i offsets = _mm512_set_epi32(offset[3], offset[3], offset[3], offset[3], offset[2], offset[2],
-                                             offset[2], offset[2], offset[1], offset[1], offset[1], offset[1],
-                                             offset[0], offset[0], offset[0], offset[0]);
-    const __m512 row_scales = _mm512_set_ps(q_scales[3], q_scales[3], q_scales[3], q_scales[3], q_scales[2],
-                                            q_scales[2], q_scales[2], q_scales[2], q_scales[1], q_scales[1],
-                                            q_scales[1], q_scales[1], q_scales[0], q_scales[0], q_scales[0],
-                                            q_scales[0]);
+    for (int r = 0; r < 4; ++r) offset[r] = key_bias_offset(q[r], dim);
+    const __m512i offsets = by_lane(offset);
+    const __m512 row_scales = by_lane(q_scales);
     __m512i rotated[2][4];
     for (int c = 0; c < 2; ++c)
       for (int t = 0; t < 4; ++t) {
@@ -198,13 +199,8 @@ struct Avx512VnniInt8Kernels {
             _mm512_add_epi32(_mm512_shuffle_i32x4(acc[u][2], acc[u][2], 0x4E),
                              _mm512_shuffle_i32x4(acc[u][3], acc[u][3], 0x39)));
       // 128-bit lane r: row r's sums of keys j..j + 3.
-      const __m512i sums = lane_sums4(by_row[0], by_row[1], by_row[2], by_row[3]);
-      const __m512 factor = _mm512_mul_ps(row_scales, _mm512_broadcast_f32x4(_mm_loadu_ps(k_scales + j)));
-      const __m512 s4 = _mm512_mul_ps(factor, _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offsets)));
-      _mm_storeu_ps(dst[0] + j, _mm512_castps512_ps128(s4));
-      _mm_storeu_ps(dst[1] + j, _mm512_extractf32x4_ps(s4, 1));
-      _mm_storeu_ps(dst[2] + j, _mm512_extractf32x4_ps(s4, 2));
-      _mm_storeu_ps(dst[3] + j, _mm512_extractf32x4_ps(s4, 3));
+      store_four_rows(lane_sums4(by_row[0], by_row[1], by_row[2], by_row[3]), offsets, row_scales,
+                      k_scales, dst, j);
     }
     if (j == n_keys) return;
     // The last keys (fewer than four), row by row.
@@ -350,21 +346,23 @@ struct Avx512VnniInt8Kernels {
     }
   }
 
+  // pv_chunk, whole loads where the chunk's 64 columns all lie in the rows.
+  template <int R>
+  static void pv_any_chunk(const uint8_t* const* levels, const float* factors,
+                           const int8_t* const* v, int64_t n_keys, int64_t d0, int64_t dim,
+                           float* const* acc, int64_t ahead, int64_t listed) {
+    if (dim - d0 >= 64)
+      return pv_chunk<R, true>(levels, factors, v, n_keys, d0, dim, acc, ahead, listed);
+    pv_chunk<R, false>(levels, factors, v, n_keys, d0, dim, acc, ahead, listed);
+  }
+
   // Four rows at a time, the rest one by one (as scores).
   static void pv_rows(int count, const uint8_t* const* lv, const float* factors,
                       const int8_t* const* v, int64_t n_keys, int64_t d0, int64_t dim,
                       float* const* out, int64_t ask, int64_t listed) {
-    const bool full = dim - d0 >= 64;
-    if (count == 4)
-      return full ? pv_chunk<4, true>(lv, factors, v, n_keys, d0, dim, out, ask, listed)
-                  : pv_chunk<4, false>(lv, factors, v, n_keys, d0, dim, out, ask, listed);
-    for (int r = 0; r < count; ++r) {
-      const int64_t a = r == 0 ? ask : 0;
-      if (full)
-        pv_chunk<1, true>(lv + r, factors + r, v, n_keys, d0, dim, out + r, a, listed);
-      else
-        pv_chunk<1, false>(lv + r, factors + r, v, n_keys, d0, dim, out + r, a, listed);
-    }
+    if (count == 4) return pv_any_chunk<4>(lv, factors, v, n_keys, d0, dim, out, ask, listed);
+    for (int r = 0; r < count; ++r)
+      pv_any_chunk<1>(lv + r, factors + r, v, n_keys, d0, dim, out + r, r == 0 ? ask : 0, listed);
   }
 
   static void accumulate_pv(const float* const* p, int rows, const int8_t* const* v,
