@@ -60,7 +60,9 @@ struct Portable {
   static constexpr int kOneVectorRows = 4;
   // No column-major A tile (see ALayout): a portable tile is large code.
   static constexpr bool kColumnMajorTile = false;
-  static constexpr int kWideRows = 2, kWideVectors = 4;
+  // The wide tile is the gemm's: a tile of 2 rows x 4 vectors ran no faster
+  // and doubled the gemm code of the wheel (measurements: docs/tuning.md).
+  static constexpr int kWideRows = 4, kWideVectors = 2;
   static constexpr int kQueryTileVectors = 2;  // 16 queries per flash tile
   static constexpr int kRowGroup = 2;  // query rows the row kernels take at once
   struct V {
