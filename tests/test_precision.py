@@ -572,12 +572,14 @@ def test_decoding_error_against_float64_per_cache_and_precision(cache_dtype, pre
         assert max_error(got, attnx.cached_attention(q, cache)) <= DECODE_BF16_FROM_DEFAULT
 
 
-@pytest.mark.parametrize("E", [40, 64, 80, 128])
+@pytest.mark.parametrize("E", [20, 40, 64, 80, 120, 128])
 @pytest.mark.parametrize("keys", [1, 77, 300])
 def test_decoding_a_bfloat16_cache_within_the_bounds(E, keys):
     # Head dims that are not whole vectors and odd key counts: on the pairs route (where the
     # probe or ATTNX_BF16_PRODUCTS=pairs chooses vdpbf16ps) the row kernels read the cache as
-    # pairs of elements and of keys.
+    # pairs of elements and of keys; on the float route the AVX-512 scores widen each 32
+    # elements of a key as their even and odd ones, against queries split the same way, and
+    # take the last E % 32 in order (20: none whole, 120: a tail of 16 + 8).
     dtype = _bf16_storage()
     rng = np.random.default_rng(E + keys)
     B, Hk, Hq, T = 2, 2, 8, min(3, keys)

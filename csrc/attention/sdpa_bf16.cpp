@@ -121,6 +121,10 @@ void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
                     a.key.storage == Storage::kBFloat16 &&
                     bf16_products() == Bf16Products::kPairs;
   if (bits) ops.query_bits = cache_line_array<uint16_t>(size_t(std::max<int64_t>(1, B * Hq * L * E)));
+  const bool split = path == SdpaPath::kRows && kt16.scores_bf16_split &&
+                     a.key.storage == Storage::kBFloat16 &&
+                     bf16_products() == Bf16Products::kFloat;
+  if (split) ops.query_split = cache_line_array<float>(size_t(std::max<int64_t>(1, B * Hq * L * E)));
   const float query_scale = a.scale;
   parallel_for(B * Hq, threads_for(kConvertWork * double(B * Hq * L * E)),
                [&](int64_t bh) {
@@ -130,6 +134,7 @@ void round_queries(const SdpaArgs<float>& a, const KernelTable<float>& kt,
                    kt.scale(a.query.at(bh / Hq, bh % Hq, i), E, query_scale, dst);
                    kt16.round_in_place(dst, E);
                    if (bits) kt16.round(dst, E, ops.query_bits.get() + (bh * L + i) * E);  // exact
+                   if (split) split_bf16_pairs(dst, E, ops.query_split.get() + (bh * L + i) * E);
                  }
                });
   StridedView<const float, 4>& q = a16.query;

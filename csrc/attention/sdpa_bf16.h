@@ -55,6 +55,9 @@ struct Bf16Operands {
   // The row path's queries as bfloat16 bits (queries' layout), for the
   // pairs kernels over a bfloat16 cache (scores_bf16_rows); empty elsewhere.
   CacheLineArray<uint16_t> query_bits;
+  // The row path's queries split as scores_bf16_split takes them, for the
+  // float route over a bfloat16 cache; empty elsewhere.
+  CacheLineArray<float> query_split;
   CacheLineArray<uint16_t> keys, values;  // copies where needed
   CacheLineArray<float> float_keys, float_values;  // the tile path's, for float32 products
   // Value pairs (B', Hk', S2, Ev), S2 = ceil(S / 2): pair p of column d is

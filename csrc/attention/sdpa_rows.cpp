@@ -106,20 +106,27 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   // cache's keys and values are read as pairs as they lie, against the
   // queries as bfloat16 bits (prepared once for the call): no element is
   // widened.
+  // On the float route a bfloat16 cache's keys are read by
+  // scores_bf16_split, 32 elements a load, against the queries split as it
+  // takes them (prepared once for the call), for any number of rows, so that
+  // a row's scores are the same whatever rows share its call.
   const uint16_t* q16_rows[kQueryBlock];
+  const float* q_split_rows[kQueryBlock];
   const bool pairs = kt16 && bf16_products() == Bf16Products::kPairs;
   const bool pair_keys = pairs && c.bf16->query_bits && keys.bits && keys.bits_kind == 1;
   const bool pair_values =
       pairs && kt16->accumulate_pv_bf16_rows && values.bits && values.bits_kind == 1;
+  const bool split_keys = kt16 && c.bf16->query_split && keys.bits && keys.bits_kind == 1;
   if constexpr (std::is_same_v<T, float>) {
-    if (pair_keys) {
-      const int64_t L = a.query.shape[2];
-      for (int64_t r = 0; r < rows; ++r)
-        q16_rows[r] = c.bf16->query_bits.get() + ((b * Hq + head[r]) * L + row[r]) * E;
+    const int64_t L = a.query.shape[2];
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at = ((b * Hq + head[r]) * L + row[r]) * E;
+      if (pair_keys) q16_rows[r] = c.bf16->query_bits.get() + at;
+      if (split_keys) q_split_rows[r] = c.bf16->query_split.get() + at;
     }
   }
-  const bool listed_keys =
-      kt8 || pair_keys || rounded_keys || (keys.blocks && (direct_keys || !keys.stored()));
+  const bool listed_keys = kt8 || pair_keys || split_keys || rounded_keys ||
+                           (keys.blocks && (direct_keys || !keys.stored()));
   const bool listed_values =
       kt8 || pair_values || rounded_values || (values.blocks && (direct_values || !values.stored()));
   // A block's rows listed, and the next rows (to be asked for ahead, as the
@@ -155,8 +162,12 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
         else if (pair_keys)
           kt16->scores_bf16_rows(q16_rows, n_rows, reinterpret_cast<const uint16_t* const*>(listed),
                                  n, n + ahead, E, a.query_scale(), s_rows);
+        else if (split_keys)
+          kt16->scores_bf16_split(q_split_rows, n_rows,
+                                  reinterpret_cast<const uint16_t* const*>(listed), n, n + ahead,
+                                  E, a.query_scale(), s_rows);
       }
-      if (!rounded_keys && !kt8 && !pair_keys)
+      if (!rounded_keys && !kt8 && !pair_keys && !split_keys)
         kt.scores_listed(q_rows, n_rows, listed, listed_scales, keys.stored_kind(), n, n + ahead,
                          E, a.query_scale(), s_rows);
     } else if constexpr (std::is_same_v<T, float>) {

@@ -85,7 +85,26 @@ struct Bf16KernelTable {
   void (*accumulate_pv_bf16_rows)(const float* const* p, int rows, const uint16_t* const* v,
                                   int64_t n_keys, int64_t listed, int64_t dim,
                                   float* const* acc);
+
+  // The row path's scores over keys stored as bfloat16 where the products
+  // run as float32 multiply-adds (Bf16Products::kFloat): each 32 elements
+  // of a key row widened at once as 16 even and 16 odd ones, against query
+  // rows split the same way (split_bf16_pairs). The products of the float32
+  // table's kernels, summed in another order. Null where a table has none
+  // (those kernels serve).
+  void (*scores_bf16_split)(const float* const* q, int rows, const uint16_t* const* k,
+                            int64_t n_keys, int64_t listed, int64_t dim, float scale,
+                            float* const* dst);
 };
+
+// The query row layout of scores_bf16_split: each whole 32 elements as their
+// 16 even ones, then their 16 odd ones; the last dim % 32 in order.
+inline void split_bf16_pairs(const float* src, int64_t dim, float* dst) {
+  const int64_t whole = dim / 32 * 32;
+  for (int64_t i = 0; i < whole; i += 32)
+    for (int e = 0; e < 16; ++e) dst[i + e] = src[i + 2 * e], dst[i + 16 + e] = src[i + 2 * e + 1];
+  for (int64_t i = whole; i < dim; ++i) dst[i] = src[i];
+}
 
 // How the products of precision "bfloat16" run (decided once, on first use):
 // as pairs on vdpbf16ps (the native table's gemm), where this CPU's

@@ -2,6 +2,7 @@
 // those flags; it runs only where the dispatcher found them in CPUID.
 #include "kernels/simd/attention_kernels.h"
 #include "kernels/simd/bf16_kernels.h"
+#include "kernels/simd/bf16_rows_split.h"
 #include "kernels/simd/vec_avx512.h"
 
 namespace attnx {
@@ -20,8 +21,12 @@ const KernelTable<double>& avx512_kernels_f64() {
 
 // The bfloat16 products, emulated (see simd/bf16_kernels.h).
 const Bf16KernelTable& avx512_bf16_kernels() {
-  static const Bf16KernelTable table = simd::Bf16Kernels<simd::Avx512F32, false>::table(
-      "bf16_products__avx512f_emulated_mr12_nr32", Isa::kAvx512);
+  static const Bf16KernelTable table = [] {
+    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx512F32, false>::table(
+        "bf16_products__avx512f_emulated_mr12_nr32", Isa::kAvx512);
+    t.scores_bf16_split = simd::Avx512SplitBf16Rows::scores;
+    return t;
+  }();
   return table;
 }
 

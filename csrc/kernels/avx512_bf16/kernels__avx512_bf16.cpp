@@ -17,6 +17,9 @@ const Bf16KernelTable& avx512_native_bf16_kernels() {
         "bf16_products__avx512bf16_mr12_nr32", Isa::kAvx512);
     t.scores_bf16_rows = simd::Avx512Bf16Rows::scores;
     t.accumulate_pv_bf16_rows = simd::Avx512Bf16Rows::accumulate_pv;
+    // Where the products run as float32 (Bf16Products::kFloat), the AVX-512
+    // level's kernel.
+    t.scores_bf16_split = avx512_bf16_kernels().scores_bf16_split;
     return t;
   }();
   return table;

@@ -201,7 +201,7 @@ struct Bf16Kernels {
                            gemm,           round, round_in_place, pack_pairs,
                            kWideVectors * W, kNative ? gemm_wide : gemm,
                            Rows::scores_listed_native, Rows::accumulate_pv_listed_native,
-                           kNative ? dot_probe : nullptr, nullptr, nullptr};
+                           kNative ? dot_probe : nullptr, nullptr, nullptr, nullptr};
   }
 };
 
