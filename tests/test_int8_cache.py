@@ -33,7 +33,8 @@ def quantize(x):
     amax = np.abs(np.where(np.isfinite(x), x, 0)).max(-1)
     scale = (amax / f32(127)).astype(f32)
     safe = np.where(scale > 0, scale, f32(1))[..., None]
-    q = np.clip(np.rint(x / safe), -127, 127).astype(i8)
+    levels = np.rint(x / safe)
+    q = np.clip(np.where(np.isfinite(levels), levels, 0), -127, 127).astype(i8)
     q[~(scale > 0) | ~finite] = 0
     return q, np.where(finite, scale, f32(np.nan)).astype(f32)
 
@@ -259,6 +260,44 @@ def test_core_quantize_checks_its_arrays():
     q, s = np.empty((3, 8), np.int8), np.empty(3, f32)
     _core.quantize_int8(src[:, :], q, s)
     assert (q == 127).all() and np.allclose(s, 1 / 127)
+
+
+QUANTIZE_SCRIPT = """
+import json
+import numpy as np
+import attnx
+from attnx import _core
+rng = np.random.default_rng(8)
+rows = []
+for n in (1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 129):
+    x = (rng.standard_normal((6, n)) * 10.0 ** rng.integers(-40, 39, (6, 1))).astype(np.float32)
+    x[0] = np.arange(n) - n / 2 + 0.5  # halves, to even
+    x[0, -1] = 127.0  # scale 1
+    x[1, -1] = np.nan
+    x[2, 0] = -np.inf
+    x[3] = 0.0
+    x[3, n // 2] = -0.0
+    x[4, :] = 1e-44  # subnormal: scale 0
+    # Levels just below a half, which x * (1 / scale) would round up: a division it must be.
+    x[5] = np.resize(np.float32([0.9473482966423035, 0.5519333481788635, 0.7166895866394043]), n)
+    x[5, 0] = 2.0924041271209717
+    q, s = np.empty(x.shape, np.int8), np.empty(6, np.float32)
+    _core.quantize_int8(x, q, s)
+    rows.append([x.tolist(), q.tolist(), s.tolist()])
+print(json.dumps({"isa": attnx.show_config()["isa"], "rows": rows}))
+"""
+
+
+@pytest.mark.parametrize("isa", usable_isas())
+def test_every_kernel_quantizes_rows_as_numpy_does(isa):
+    """The int8 tables quantize on their own vectors (the query rows of every "int8" step,
+    every appended row): whole vectors and tails, NaN, infinity, zeros, subnormals, halves and
+    magnitudes from 1e-40 to 1e38 give NumPy's levels and scales bit for bit."""
+    result = run_under_isa(isa, QUANTIZE_SCRIPT)
+    for x, q, s in result["rows"]:
+        want_q, want_s = quantize(np.array(x, f32))
+        np.testing.assert_array_equal(np.array(q, i8), want_q)
+        np.testing.assert_array_equal(np.array(s, f32), want_s)
 
 
 def test_transformer_decoder_steps_over_int8_caches(rng):

@@ -5,6 +5,9 @@
 // loops stay simple for the compiler.
 #include "attention/narrowing.h"
 
+#include "kernels/int8_quantize.h"
+#include "kernels/int8_table.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -101,45 +104,15 @@ void narrow_to_bfloat16(const double* src, int64_t n, uint16_t* dst) {
     dst[i] = bfloat16_of_bits(bits_of(static_cast<float>(src[i])));
 }
 
-namespace {
-
-template <typename S>
-float quantize_int8_row(const S* src, int64_t n, int8_t* dst) {
-  // The largest |x| as the largest of the magnitudes' bits: for floats
-  // without sign, the integers' order is the floats' (zero, subnormals,
-  // infinity), and every NaN lies above infinity. A maximum of integers
-  // vectorizes; one of floats, which must skip NaN, did not (the query rows
-  // of every step with int8 products go through here).
-  uint32_t top = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t magnitude = bits_of(static_cast<float>(src[i])) & 0x7fffffffu;
-    top = magnitude > top ? magnitude : top;
-  }
-  const bool finite = top < 0x7f800000u;  // below infinity's bits
-  float amax;
-  std::memcpy(&amax, &top, sizeof amax);
-  const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-  if (!(scale > 0)) {  // zeros, NaN
-    std::fill(dst, dst + n, int8_t(0));
-    return scale;
-  }
-  // To nearest even by adding and taking away 1.5 * 2^23 (|x / scale| <=
-  // 127 and a little): what nearbyint gives, in a loop the compiler vectorizes.
-  constexpr float kRound = 12582912.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float q = (static_cast<float>(src[i]) / scale + kRound) - kRound;
-    dst[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
-  }
-  return scale;
-}
-
-}  // namespace
-
+// float32 rows on the active int8 table's vectors where it has them (the
+// same bits as the plain loops); float64 ones in the plain loops, each value
+// rounded to float32.
 float quantize_int8(const float* src, int64_t n, int8_t* dst) {
-  return quantize_int8_row(src, n, dst);
+  const auto vectors = active_int8_kernels().quantize;
+  return vectors ? vectors(src, n, dst) : quantize_int8_plain(src, n, dst);
 }
 float quantize_int8(const double* src, int64_t n, int8_t* dst) {
-  return quantize_int8_row(src, n, dst);
+  return quantize_int8_plain(src, n, dst);
 }
 
 }  // namespace attnx

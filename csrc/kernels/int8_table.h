@@ -42,6 +42,11 @@ struct Int8KernelTable {
   void (*accumulate_pv)(const float* const* p, int rows, const int8_t* const* v,
                         const float* v_scales, int64_t n_keys, int64_t listed, int64_t dim,
                         float* const* acc);
+
+  // quantize_int8 (attention/narrowing.h) of n float32 values on this
+  // level's vectors, in the plain loops' steps (the same bits); null where
+  // a table has none (the plain loops serve, vectorized by the compiler).
+  float (*quantize)(const float* src, int64_t n, int8_t* dst);
 };
 
 const Int8KernelTable& scalar_int8_kernels();

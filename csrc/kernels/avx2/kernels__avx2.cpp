@@ -3,6 +3,7 @@
 #include "kernels/simd/attention_kernels.h"
 #include "kernels/simd/bf16_kernels.h"
 #include "kernels/simd/int8_kernels.h"
+#include "kernels/simd/int8_quantize.h"
 #include "kernels/simd/vec_avx2.h"
 
 namespace attnx {
@@ -28,8 +29,12 @@ const Bf16KernelTable& avx2_bf16_kernels() {
 
 // The int8 products on the float32 row kernels (see simd/int8_kernels.h).
 const Int8KernelTable& avx2_int8_kernels() {
-  static const Int8KernelTable table =
-      simd::FloatExactInt8Kernels<avx2_kernels_f32>::table("int8_products__avx2", Isa::kAvx2);
+  static const Int8KernelTable table = [] {
+    Int8KernelTable t =
+        simd::FloatExactInt8Kernels<avx2_kernels_f32>::table("int8_products__avx2", Isa::kAvx2);
+    t.quantize = simd::Avx2Int8Quantize::quantize;
+    return t;
+  }();
   return table;
 }
 

@@ -6,6 +6,7 @@
 // AVX512_VNNI, with the AVX-512 level's float kernels.
 #include "kernels/simd/bf16_kernels.h"
 #include "kernels/simd/bf16_rows_native.h"
+#include "kernels/simd/int8_quantize.h"
 #include "kernels/simd/int8_vnni.h"
 #include "kernels/simd/vec_avx512.h"
 
@@ -26,8 +27,12 @@ const Bf16KernelTable& avx512_native_bf16_kernels() {
 }
 
 const Int8KernelTable& avx512_vnni_int8_kernels() {
-  static const Int8KernelTable table =
-      simd::Avx512VnniInt8Kernels::table("int8_products__avx512vnni", Isa::kAvx512);
+  static const Int8KernelTable table = [] {
+    Int8KernelTable t =
+        simd::Avx512VnniInt8Kernels::table("int8_products__avx512vnni", Isa::kAvx512);
+    t.quantize = simd::Avx512Int8Quantize::quantize;
+    return t;
+  }();
   return table;
 }
 

@@ -128,7 +128,7 @@ struct PortableInt8Kernels {
   }
 
   static Int8KernelTable table(const char* name, Isa isa) {
-    return Int8KernelTable{name, isa, &scores, &accumulate_pv};
+    return Int8KernelTable{name, isa, &scores, &accumulate_pv, nullptr};
   }
 };
 
@@ -209,7 +209,7 @@ struct FloatExactInt8Kernels {
   }
 
   static Int8KernelTable table(const char* name, Isa isa) {
-    return Int8KernelTable{name, isa, &scores, &accumulate_pv};
+    return Int8KernelTable{name, isa, &scores, &accumulate_pv, nullptr};
   }
 };
 

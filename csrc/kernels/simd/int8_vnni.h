@@ -391,7 +391,7 @@ struct Avx512VnniInt8Kernels {
   }
 
   static Int8KernelTable table(const char* name, Isa isa) {
-    return Int8KernelTable{name, isa, &scores, &accumulate_pv};
+    return Int8KernelTable{name, isa, &scores, &accumulate_pv, nullptr};
   }
 };
 
