@@ -414,6 +414,30 @@ def test_module_constructor_precision_is_used_and_overridden_per_call():
     assert_identical(plain(x, x, x)[0], a32)
 
 
+@pytest.mark.parametrize("E, H", [(64, 4), (48, 4), (256, 8)])
+def test_stacked_weights_project_in_one_product_with_the_bits_of_three(E, H):
+    # Weights stacked as torch's in_proj_weight: self-attention projects q, k and v in one
+    # product, the module from one packing of the stacked matrix, of which its w_q, w_k and
+    # w_v are views where each begins a panel (not E 48 on the pairs route, whose panels are
+    # 64 wide): the bits of three products over separate weights, for self- and
+    # cross-attention alike.
+    rng = np.random.default_rng(E)
+    x, memory = f32(rng, (9, 2, E)), f32(rng, (13, 2, E))
+    m = attnx.MultiheadAttention(E, H, seed=0, precision=BF16).eval()
+    params = m.state_dict()
+    w, b = params["in_proj_weight"], params["in_proj_bias"]
+    separate = dict(use_separate_proj_weight=True, q_proj_weight=w[:E].copy(),
+                    k_proj_weight=w[E:2 * E].copy(), v_proj_weight=w[2 * E:].copy())
+    for query, key in ((x, x), (x, memory)):
+        common = (query, key, key, E, H)
+        tail = (None, None, False, 0.0, params["out_proj.weight"], params["out_proj.bias"])
+        three, _ = attnx.multi_head_attention_forward(*common, None, b, *tail, **separate,
+                                                      precision=BF16)
+        one, _ = attnx.multi_head_attention_forward(*common, w, b, *tail, precision=BF16)
+        assert_identical(one, three)
+        assert_identical(m(query, key, key)[0], three)
+
+
 def test_module_precision_survives_pickle_and_is_not_state():
     m = attnx.MultiheadAttention(16, 4, seed=0, precision=BF16).eval()
     x = f32(np.random.default_rng(14), (5, 2, 16))

@@ -73,15 +73,19 @@ inline std::vector<int64_t> row_offsets(const PackedRows& p, int64_t row) {
 
 // qkv (N, L, 3E) = the query, key and value projections of x side by side in
 // each row: one product where the weights are stacked as torch's
-// in_proj_weight (the same sums as three), else three.
+// in_proj_weight (the same sums as three; with bfloat16 products x is then
+// rounded once, against the stacked weights packed as one, bf16_qkv, or by
+// the call where none of them is packed), else three.
 template <typename T>
 void project_self(const MhaParams<T>& p, const StridedView<const T, 3>& x, T* qkv,
                   Precision precision = Precision::kNative) {
   const int64_t N = x.shape[0], L = x.shape[1], E = p.w_q.rows;
-  if (p.stacked() && precision == Precision::kNative) {
+  const bool one_packing = precision == Precision::kNative || p.bf16_qkv || !p.bf16_q;
+  if (p.stacked() && one_packing) {
     RowMajorView<const T> w_qkv = p.w_q;
     w_qkv.rows = 3 * E;
-    linear_forward(x, w_qkv, p.b_q, rows_view(qkv, N, L, 3 * E));
+    linear_forward(x, w_qkv, p.b_q, rows_view(qkv, N, L, 3 * E), Activation::kNone, precision,
+                   p.bf16_qkv);
     return;
   }
   const RowMajorView<const T>* weights[3] = {&p.w_q, &p.w_k, &p.w_v};

@@ -148,7 +148,7 @@ void linear_bf16(const StridedView<const float, 3>& x, const RowMajorView<const 
   const int64_t rows = N * L, pairs = packed->pairs, width = packed->width;
   const int nthreads = threads_for(double(rows) * double(in) * double(out));
 
-  if (packed->rounded) {
+  if (packed->float_products()) {
     // float32 products: x's rows rounded into a copy, then the float32 form
     // on the rounded operands.
     const CacheLineArray<float> x_rounded =
@@ -211,12 +211,14 @@ Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w) {
   packed.rows = w.rows, packed.cols = w.cols;
   if (bf16_products() == Bf16Products::kFloat) {
     packed.rounded = rounded_copy(w.rows, w.cols, [&](int64_t r) { return w.row(r); });
+    packed.rounded_begin = packed.rounded.get();
     return packed;
   }
   packed.width = kt16.wide_panel_width;
   packed.pairs = (w.cols + 1) / 2;
   const int64_t panels = (w.rows + packed.width - 1) / packed.width;
   packed.data = cache_line_array<uint32_t>(size_t(std::max<int64_t>(1, panels * packed.pairs * packed.width)));
+  packed.panels_begin = packed.data.get();
   parallel_for(panels, threads_for(double(w.rows) * double(w.cols) * 8),
                [&](int64_t p) {
                  uint32_t* dst = packed.data.get() + p * packed.pairs * packed.width;
@@ -226,6 +228,17 @@ Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w) {
                                  dst, packed.width);
                });
   return packed;
+}
+
+bool bf16_weight_rows(const Bf16Weights& w, int64_t r0, int64_t n, Bf16Weights& view) {
+  view.rows = n, view.cols = w.cols, view.width = w.width, view.pairs = w.pairs;
+  if (w.float_products()) {
+    view.rounded_begin = w.rounded_begin + r0 * w.cols;
+    return true;
+  }
+  if (r0 % w.width != 0) return false;
+  view.panels_begin = w.panel(r0 / w.width);
+  return true;
 }
 
 template <typename T>

@@ -14,21 +14,31 @@ namespace attnx {
 // A weight matrix w (rows x cols) packed for bfloat16 products: w^T rounded
 // and laid out as pairs along cols, in panels of the bfloat16 table's panel
 // width (zero past the last row of w), where the products run as pairs;
-// else w rounded, as float32 rows (Bf16Products).
+// else w rounded, as float32 rows (Bf16Products). It owns its storage, or
+// is a view of some rows of another's (bf16_weight_rows).
 struct Bf16Weights {
   CacheLineArray<uint32_t> data;
-  CacheLineArray<float> rounded;  // rows x cols, rows cols apart (float32 products)
+  CacheLineArray<float> rounded;
+  const uint32_t* panels_begin = nullptr;  // the pairs' first panel
+  const float* rounded_begin = nullptr;    // rows x cols, rows cols apart (float32 products)
   int64_t rows = 0, cols = 0;
   int64_t width = 0;  // columns of w^T per panel
   int64_t pairs = 0;  // (cols + 1) / 2: rows of a panel
 
-  const uint32_t* panel(int64_t p) const { return data.get() + p * pairs * width; }
+  bool float_products() const { return rounded_begin != nullptr; }
+  const uint32_t* panel(int64_t p) const { return panels_begin + p * pairs * width; }
   RowMajorView<const float> rounded_rows() const {
-    return RowMajorView<const float>{rounded.get(), rows, cols, cols};
+    return RowMajorView<const float>{rounded_begin, rows, cols, cols};
   }
 };
 
 Bf16Weights pack_bf16_weights(const RowMajorView<const float>& w);
+
+// A view of rows [r0, r0 + n) of packed weights (which must outlive it):
+// linear_forward reads from it what it would from those rows packed alone
+// (a panel's columns past row r0 + n are never read); false where r0 does
+// not begin a panel (the pairs lie in whole panels).
+bool bf16_weight_rows(const Bf16Weights& w, int64_t r0, int64_t n, Bf16Weights& view);
 
 // y[n, l, :] = act(w . x[n, l, :] + bias) for every (n, l).
 // x: (N, L, in) and y: (N, L, out), last dims contiguous; w: (out, in);

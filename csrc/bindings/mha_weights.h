@@ -110,17 +110,12 @@ class MhaWeights {
   // value written into a weight array in place afterwards is not seen by
   // them (a new MhaWeights is made when a parameter is assigned or loaded).
   // Called with the GIL held, so that one thread packs.
+  //
+  // Stacked weights (MhaParams::stacked) are packed as one matrix, of which
+  // w_q, w_k and w_v are views, where each of them begins a panel.
   template <typename T>
   MhaParams<T> params(Precision precision = Precision::kNative) const {
     MhaParams<T> p;
-    if constexpr (std::is_same_v<T, float>) {
-      if (precision == Precision::kBFloat16) {
-        p.bf16_q = packed_once(bf16_[0], matrix(0, T()));
-        p.bf16_k = packed_once(bf16_[1], matrix(1, T()));
-        p.bf16_v = packed_once(bf16_[2], matrix(2, T()));
-        p.bf16_out = packed_once(bf16_[3], matrix(3, T()));
-      }
-    }
     p.num_heads = num_heads_;
     p.w_q = matrix(0, T()), p.w_k = matrix(1, T()), p.w_v = matrix(2, T());
     p.w_out = matrix(3, T());
@@ -128,6 +123,33 @@ class MhaWeights {
     p.b_out = data_of<T>(b_[3]);
     p.bias_k = data_of<T>(bias_kv_[0]), p.bias_v = data_of<T>(bias_kv_[1]);
     p.add_zero_attn = add_zero_attn_;
+    if constexpr (std::is_same_v<T, float>) {
+      if (precision == Precision::kBFloat16) {
+        const Bf16Weights** in[3] = {&p.bf16_q, &p.bf16_k, &p.bf16_v};
+        if (p.stacked() && !qkv_apart_) {
+          // Packed once as one matrix, with the views made then (a call
+          // running without the GIL may be reading them); where a view
+          // cannot begin a panel, the three are packed apart instead, so
+          // that no weight is packed twice.
+          if (!bf16_qkv_) {
+            RowMajorView<const float> w_qkv = p.w_q;
+            w_qkv.rows = 3 * p.w_q.rows;
+            const Bf16Weights* qkv = packed_once(bf16_qkv_, w_qkv);
+            for (int i = 0; i < 3; ++i)
+              qkv_apart_ = !bf16_weight_rows(*qkv, i * p.w_q.rows, p.w_q.rows, qkv_rows_[i]) ||
+                           qkv_apart_;
+            if (qkv_apart_) bf16_qkv_.reset();
+          }
+          if (!qkv_apart_) {
+            p.bf16_qkv = bf16_qkv_.get();
+            for (int i = 0; i < 3; ++i) *in[i] = &qkv_rows_[i];
+          }
+        }
+        for (int i = 0; i < 3; ++i)
+          if (!*in[i]) *in[i] = packed_once(bf16_[i], matrix(i, T()));
+        p.bf16_out = packed_once(bf16_[3], matrix(3, T()));
+      }
+    }
     return p;
   }
 
@@ -173,6 +195,9 @@ class MhaWeights {
   OptArray bias_kv_[2];
   int64_t row_stride_[4] = {};
   mutable std::shared_ptr<const Bf16Weights> bf16_[4];  // w_q, w_k, w_v, w_out, packed
+  mutable std::shared_ptr<const Bf16Weights> bf16_qkv_;  // [w_q; w_k; w_v], where stacked
+  mutable Bf16Weights qkv_rows_[3];                      // views of bf16_qkv_'s rows
+  mutable bool qkv_apart_ = false;                       // stacked, but packed apart
   bool add_zero_attn_;
   py::dtype dtype_;
   bool is_double_ = false;

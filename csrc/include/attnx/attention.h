@@ -170,6 +170,9 @@ struct MhaParams {
   const Bf16Weights* bf16_k = nullptr;
   const Bf16Weights* bf16_v = nullptr;
   const Bf16Weights* bf16_out = nullptr;
+  // [w_q; w_k; w_v] packed as one matrix, where they are stacked(): the
+  // self-attention's one product (bf16_q, bf16_k and bf16_v may view it).
+  const Bf16Weights* bf16_qkv = nullptr;
 
   // Whether w_q, w_k, w_v (and their biases, if any) lie stacked in memory
   // as the rows of torch's in_proj_weight (3E, E), so that one product
