@@ -55,16 +55,7 @@ struct Avx512Bf16Rows {
           for (int u = 0; u < 4; ++u) acc[r][u] = dot(acc[r][u], kv[u], qv);
         }
       }
-      if constexpr (R == 4) {
-        float* out[4] = {dst[0] + j, dst[1] + j, dst[2] + j, dst[3] + j};
-        Avx512F32::reduce_add4x4(acc, nullptr, scale, out);
-      } else {
-        for (int r = 0; r < R; ++r) {
-          float sums[4];
-          Avx512F32::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
-          for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * sums[u];
-        }
-      }
+      Avx512F32::store_four_keys<R>(acc, scale, dst, j);
     }
     for (; j < n_keys; ++j) {
       __m512 acc[R];
@@ -81,13 +72,12 @@ struct Avx512Bf16Rows {
   static void scores(const uint16_t* const* q, int rows, const uint16_t* const* k, int64_t n_keys,
                      int64_t listed, int64_t dim, float scale, float* const* dst) {
     const int64_t ahead = rows_ahead(dim);
-    // Four rows at a time, the rest one by one; only the first pass streams
-    // the keys, the others find them in cache.
-    int r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4)
-      scores_group<4>(q + r0, k, n_keys, listed, dim, scale, dst + r0, r0 == 0 ? ahead : 0);
-    for (; r0 < rows; ++r0)
-      scores_group<1>(q + r0, k, n_keys, listed, dim, scale, dst + r0, r0 == 0 ? ahead : 0);
+    in_row_groups_of_four(rows, ahead, [&](int r0, int count, int64_t a) {
+      if (count == 4)
+        scores_group<4>(q + r0, k, n_keys, listed, dim, scale, dst + r0, a);
+      else
+        scores_group<1>(q + r0, k, n_keys, listed, dim, scale, dst + r0, a);
+    });
   }
 
   // The bfloat16 bits of p[j] and p[j + 1] (bfloat16 values as float32: their

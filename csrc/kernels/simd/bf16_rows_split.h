@@ -72,16 +72,7 @@ struct Avx512SplitBf16Rows {
         for (int r = 0; r < R; ++r)
           for (int u = 0; u < 4; ++u)
             acc[r][u] = tail_products(acc[r][u], kr[u] + whole, q[r] + whole, tail);
-      if constexpr (R == 4) {
-        float* out[4] = {dst[0] + j, dst[1] + j, dst[2] + j, dst[3] + j};
-        Avx512F32::reduce_add4x4(acc, nullptr, scale, out);
-      } else {
-        for (int r = 0; r < R; ++r) {
-          float sums[4];
-          Avx512F32::reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
-          for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * sums[u];
-        }
-      }
+      Avx512F32::store_four_keys<R>(acc, scale, dst, j);
     }
     for (; j < n_keys; ++j) {
       for (int r = 0; r < R; ++r) {
@@ -97,13 +88,12 @@ struct Avx512SplitBf16Rows {
   static void scores(const float* const* q, int rows, const uint16_t* const* k, int64_t n_keys,
                      int64_t listed, int64_t dim, float scale, float* const* dst) {
     const int64_t ahead = prefetch_distance<uint16_t>(true, dim);
-    // Four rows at a time, the rest one by one; only the first pass streams
-    // the keys, the others find them in cache.
-    int r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4)
-      scores_group<4>(q + r0, k, n_keys, listed, dim, scale, dst + r0, r0 == 0 ? ahead : 0);
-    for (; r0 < rows; ++r0)
-      scores_group<1>(q + r0, k, n_keys, listed, dim, scale, dst + r0, r0 == 0 ? ahead : 0);
+    in_row_groups_of_four(rows, ahead, [&](int r0, int count, int64_t a) {
+      if (count == 4)
+        scores_group<4>(q + r0, k, n_keys, listed, dim, scale, dst + r0, a);
+      else
+        scores_group<1>(q + r0, k, n_keys, listed, dim, scale, dst + r0, a);
+    });
   }
 };
 

@@ -229,15 +229,13 @@ struct Avx512VnniInt8Kernels {
                      int64_t listed, int64_t dim, float* const* dst) {
     const int64_t ahead = int8_rows_ahead(dim);
     // Four rows at a time, the rest one by one (as fast a row: the products
-    // and each row's sums are the same; fewer kernels in the library). Only
-    // the first pass streams the keys; the others find them in cache.
-    int r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4)
-      scores_rows<4>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0,
-                     r0 == 0 ? ahead : 0);
-    for (; r0 < rows; ++r0)
-      scores_rows<1>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0,
-                     r0 == 0 ? ahead : 0);
+    // and each row's sums are the same; fewer kernels in the library).
+    in_row_groups_of_four(rows, ahead, [&](int r0, int count, int64_t a) {
+      if (count == 4)
+        scores_rows<4>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0, a);
+      else
+        scores_rows<1>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0, a);
+    });
   }
 
   // The quantized probabilities of a row (Int8Probabilities, in vectors):

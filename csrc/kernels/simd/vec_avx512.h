@@ -212,6 +212,21 @@ struct Avx512F32 {
     _mm_storeu_ps(out[2], _mm512_extractf32x4_ps(sums, 2));
     _mm_storeu_ps(out[3], _mm512_extractf32x4_ps(sums, 3));
   }
+  // dst[r][j + u] = scale * the sum of acc[r][u] for R rows and four keys u:
+  // reduce_add4x4 for four rows, reduce_add4 for fewer (the same bits).
+  template <int R>
+  static void store_four_keys(const V (&acc)[4][4], T scale, T* const* dst, int64_t j) {
+    if constexpr (R == 4) {
+      T* out[4] = {dst[0] + j, dst[1] + j, dst[2] + j, dst[3] + j};
+      reduce_add4x4(acc, nullptr, scale, out);
+    } else {
+      for (int r = 0; r < R; ++r) {
+        T sums[4];
+        reduce_add4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+        for (int u = 0; u < 4; ++u) dst[r][j + u] = scale * sums[u];
+      }
+    }
+  }
   static T reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   // 0 where m is -inf, else m (see attention/softmax_rules.h).
   static V exp_shift(V m) {
