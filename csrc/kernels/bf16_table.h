@@ -99,12 +99,16 @@ struct Bf16KernelTable {
 
 // The query row layout of scores_bf16_split: each whole 32 elements as their
 // 16 even ones, then their 16 odd ones; the last dim % 32 in order.
+// (Internal linkage: the kernels' files, built for other instruction sets,
+// include this header too, and no copy may be merged with theirs.)
+namespace {
 inline void split_bf16_pairs(const float* src, int64_t dim, float* dst) {
   const int64_t whole = dim / 32 * 32;
   for (int64_t i = 0; i < whole; i += 32)
     for (int e = 0; e < 16; ++e) dst[i + e] = src[i + 2 * e], dst[i + 16 + e] = src[i + 2 * e + 1];
   for (int64_t i = whole; i < dim; ++i) dst[i] = src[i];
 }
+}  // namespace
 
 // How the products of precision "bfloat16" run (decided once, on first use):
 // as pairs on vdpbf16ps (the native table's gemm), where this CPU's
