@@ -107,7 +107,7 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   // queries as bfloat16 bits (prepared once for the call): no element is
   // widened.
   // On the float route a bfloat16 cache's keys are read by
-  // scores_bf16_split, 32 elements a load, against the queries split as it
+  // scores_bf16_split, a whole load at a time, against the queries split as it
   // takes them (prepared once for the call), for any number of rows, so that
   // a row's scores are the same whatever rows share its call.
   const uint16_t* q16_rows[kQueryBlock];

@@ -87,11 +87,11 @@ struct Bf16KernelTable {
                                   float* const* acc);
 
   // The row path's scores over keys stored as bfloat16 where the products
-  // run as float32 multiply-adds (Bf16Products::kFloat): each 32 elements
-  // of a key row widened at once as 16 even and 16 odd ones, against query
-  // rows split the same way (split_bf16_pairs). The products of the float32
-  // table's kernels, summed in another order. Null where a table has none
-  // (those kernels serve).
+  // run as float32 multiply-adds (Bf16Products::kFloat): each load of a key
+  // row (32 elements on AVX-512, 16 on AVX2) widened at once as its even and
+  // odd ones, against query rows split the same way (split_bf16_pairs). The
+  // products of the float32 table's kernels, summed in another order. Null
+  // where a table has none (those kernels serve).
   void (*scores_bf16_split)(const float* const* q, int rows, const uint16_t* const* k,
                             int64_t n_keys, int64_t listed, int64_t dim, float scale,
                             float* const* dst);

@@ -2,6 +2,7 @@
 // -mf16c; it runs only where the dispatcher found all three in CPUID.
 #include "kernels/simd/attention_kernels.h"
 #include "kernels/simd/bf16_kernels.h"
+#include "kernels/simd/bf16_rows_split.h"
 #include "kernels/simd/int8_kernels.h"
 #include "kernels/simd/int8_quantize.h"
 #include "kernels/simd/vec_avx2.h"
@@ -22,8 +23,12 @@ const KernelTable<double>& avx2_kernels_f64() {
 
 // The bfloat16 products, emulated (see simd/bf16_kernels.h).
 const Bf16KernelTable& avx2_bf16_kernels() {
-  static const Bf16KernelTable table = simd::Bf16Kernels<simd::Avx2F32, false>::table(
-      "bf16_products__avx2_fma_emulated_mr4_nr16", Isa::kAvx2);
+  static const Bf16KernelTable table = [] {
+    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx2F32, false>::table(
+        "bf16_products__avx2_fma_emulated_mr4_nr16", Isa::kAvx2);
+    t.scores_bf16_split = simd::Avx2SplitBf16Rows::scores;
+    return t;
+  }();
   return table;
 }
 
