@@ -127,7 +127,7 @@ struct Avx2SplitBf16Rows {
     }
     return acc;
   }
-  // The sums of four vectors (low lanes first), as one vector.
+  // Lane i: the sum of the lanes of the i-th of a, b, c, d.
   static __m128 sums4(V a, V b, V c, V d) {
     const V h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
