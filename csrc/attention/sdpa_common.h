@@ -43,9 +43,6 @@ struct RowReader {
   int64_t offset(int64_t j) const {
     return blocks ? blocks[j / block_size] * block_stride + (j % block_size) * ld : j * ld;
   }
-  const float* scale_of(int64_t j) const {
-    return scales + (blocks ? blocks[j / block_size] * scales_block_stride + j % block_size : j);
-  }
   // The rows from j on that lie one after another (ld apart).
   int64_t run(int64_t j) const {
     return blocks ? block_size - j % block_size : std::numeric_limits<int64_t>::max();
@@ -54,31 +51,22 @@ struct RowReader {
   int stored_kind() const { return q8 ? 3 : bits ? 1 + bits_kind : 0; }
   // Rows [j0, j0 + n + extra) listed one pointer each into `rows` (the
   // extra rows only to be asked for ahead), and, for int8 rows, the scales
-  // of [j0, j0 + n) into `row_scales`.
-  //
-  // A paged cache's runs are walked block by block from j0's (one division a
-  // call, not two a run), and an int8 run's scales are copied in the loop
-  // that lists its rows: a library copy a run of 16 rows took 5% of an int8
-  // step over blocks of 16 (docs/tuning.md).
+  // of [j0, j0 + n) into `row_scales`. An int8 run's scales are copied in
+  // the loop that lists its rows: a library copy a run of 16 rows took 5% of
+  // an int8 step over blocks of 16 (docs/tuning.md).
   void list(int64_t j0, int64_t n, int64_t extra, const void** rows, float* row_scales) const {
     const int64_t element = q8 ? 1 : bits ? 2 : int64_t(sizeof(T)), bytes = ld * element;
     const char* base = q8     ? reinterpret_cast<const char*>(q8)
                        : bits ? reinterpret_cast<const char*>(bits)
                               : reinterpret_cast<const char*>(native);
-    const int64_t total = n + extra;
-    int64_t block = blocks ? j0 / block_size : 0, in = blocks ? j0 % block_size : j0;
-    for (int64_t i = 0; i < total; ++block, in = 0) {
-      const int64_t count = blocks ? std::min(total - i, block_size - in) : total;
-      const int64_t first = blocks ? blocks[block] * block_stride + in * ld : in * ld;
+    for_each_run(j0, n + extra, [&](int64_t j, int64_t count, int64_t first, const float* s) {
       const char* row = base + first * element;
-      const float* s =
-          q8 ? scales + (blocks ? blocks[block] * scales_block_stride + in : in) : nullptr;
-      const int64_t scaled = q8 ? std::clamp<int64_t>(n - i, 0, count) : 0;
+      const int64_t i = j - j0;
+      const int64_t scaled = s ? std::clamp<int64_t>(n - i, 0, count) : 0;
       int64_t k = 0;
       for (; k < scaled; ++k, row += bytes) rows[i + k] = row, row_scales[i + k] = s[k];
       for (; k < count; ++k, row += bytes) rows[i + k] = row;
-      i += count;
-    }
+    });
   }
   // Asks for the int8 scales of rows [j0, j0 + n) of a paged cache, a line
   // a block of the pool, to be brought into L2: one block's scales lie
@@ -93,12 +81,20 @@ struct RowReader {
     (void)j0, (void)n;
 #endif
   }
-  // Calls f(j, n) for the runs of rows [j0, j0 + count), in order.
+  // Calls f(j, n, first, s) for the runs of rows [j0, j0 + count), in
+  // order: n rows from row j, which starts `first` storage elements from row
+  // 0 of block 0 (offset(j)), with their int8 scales from s (null for other
+  // rows). A paged cache's blocks are walked from j0's: one division a call,
+  // not two a run.
   template <typename F>
   void for_each_run(int64_t j0, int64_t count, F&& f) const {
-    for (int64_t j = j0, end = j0 + count; j < end;) {
-      const int64_t n = std::min(end - j, run(j));
-      f(j, n);
+    int64_t block = blocks ? j0 / block_size : 0, in = blocks ? j0 % block_size : j0;
+    for (int64_t j = j0, end = j0 + count; j < end; ++block, in = 0) {
+      const int64_t n = blocks ? std::min(end - j, block_size - in) : end - j;
+      const int64_t first = blocks ? blocks[block] * block_stride + in * ld : in * ld;
+      const float* s =
+          q8 ? scales + (blocks ? blocks[block] * scales_block_stride + in : in) : nullptr;
+      f(j, n, first, s);
       j += n;
     }
   }
@@ -110,16 +106,15 @@ struct RowReader {
       row_stride = ld;
       return native + offset(j0);
     }
-    for_each_run(j0, n, [&](int64_t j, int64_t count) {
+    for_each_run(j0, n, [&](int64_t j, int64_t count, int64_t first, const float* s) {
       T* dst = buf + (j - j0) * dim;
       if (!stored()) {
-        for (int64_t i = 0; i < count; ++i) std::copy_n(native + offset(j + i), dim, dst + i * dim);
+        for (int64_t i = 0; i < count; ++i) std::copy_n(native + first + i * ld, dim, dst + i * dim);
       } else if constexpr (std::is_same_v<T, float>) {
         if (q8) {
-          const int8_t* src = q8 + offset(j);
-          const float* s = scale_of(j);
+          const int8_t* src = q8 + first;
           for (int64_t i = 0; i < count; ++i) widen_int8(src + i * ld, dim, s[i], dst + i * dim);
-        } else if (const uint16_t* src = bits + offset(j); ld == dim) {
+        } else if (const uint16_t* src = bits + first; ld == dim) {
           widen(src, count * dim, dst);
         } else {
           for (int64_t i = 0; i < count; ++i) widen(src + i * ld, dim, dst + i * dim);

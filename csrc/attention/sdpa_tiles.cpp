@@ -217,8 +217,8 @@ template <typename T>
                                     const FlashTile<T>& t, int64_t start, int64_t n, int64_t E,
                                     T* st) {
   const int qt = kt.query_tile;
-  keys.for_each_run(start, n, [&](int64_t j, int64_t count) {
-    kt.gemm(count, t.lanes, E, keys.native + keys.offset(j), keys.ld, 1, t.q_t, qt,
+  keys.for_each_run(start, n, [&](int64_t j, int64_t count, int64_t first, const float*) {
+    kt.gemm(count, t.lanes, E, keys.native + first, keys.ld, 1, t.q_t, qt,
             st + (j - start) * qt, qt, GemmInit::kZero, nullptr);
   });
 }
@@ -230,11 +230,11 @@ template <typename T>
 [[gnu::noinline]] void paged_values(const KernelTable<T>& kt, const RowReader<T>& values,
                                     int64_t rows, int64_t start, int64_t n, int64_t Ev, int qt,
                                     const T* st, bool first_block, const T* alpha, T* o) {
-  values.for_each_run(start, n, [&](int64_t j, int64_t count) {
+  values.for_each_run(start, n, [&](int64_t j, int64_t count, int64_t first, const float*) {
     const GemmInit init = j > start      ? GemmInit::kAccumulate
                           : first_block ? GemmInit::kZero
                                         : GemmInit::kScaleRows;
-    kt.gemm(rows, Ev, count, st + (j - start) * qt, 1, qt, values.native + values.offset(j),
+    kt.gemm(rows, Ev, count, st + (j - start) * qt, 1, qt, values.native + first,
             values.ld, o, Ev, init, alpha);
   });
 }
