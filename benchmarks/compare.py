@@ -11,7 +11,7 @@ Usage (from a checkout, after ``pip install .``; the installed attnx is the one 
     python benchmarks/compare.py --shapes varlen-b8-l128 varlen-causal-b8-l128 encoder-layer-ragged
     python benchmarks/compare.py --precision bfloat16 --shapes b8-l128 l1024 causal-l2048 d128-l2048 mha-e768
 
-Results go to ``benchmarks/results/DATE-MACHINE-COMMIT.json`` (see results_file.py): the
+Results go to ``benchmarks/results/MACHINE.json`` (see results_file.py): the
 ``compare`` section for the shapes, ``sweep`` for ``--sweep``, ``transformer`` for a run of the
 transformer layers only and ``ragged`` for a run of the ragged cases only (so that neither
 replaces the shapes' section), and the same names suffixed ``-bfloat16`` for ``--precision
@@ -329,7 +329,7 @@ def parse_args(argv=None):
                    help="FP32 FMA peak of all cores, scaled by threads/cores (default: measured on each thread "
                         "count with attnx's register-only multiply-add probe)")
     p.add_argument("--out", "--json", dest="out", metavar="PATH",
-                   help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
+                   help="results file (default: benchmarks/results/MACHINE.json; --quick runs are "
                         "saved only when this is given)")
     p.add_argument("--section", help="key of the results file to write (default: compare; sweep with --sweep; "
                                      "ragged when every shape is a ragged case; transformer when every shape "

@@ -8,7 +8,7 @@ Usage (from a checkout, after ``pip install .``; the installed attnx is the one 
     python benchmarks/contention.py --threads 1 2 --busy 0 1 --shapes decode-s2048 tiny --libs attnx
     python benchmarks/contention.py --seconds 5 --out run.json
 
-Results go to the ``contention`` section of ``benchmarks/results/DATE-MACHINE-COMMIT.json`` (see
+Results go to the ``contention`` section of ``benchmarks/results/MACHINE.json`` (see
 results_file.py); ``--out`` names another file, ``--no-save`` prints only, and ``--quick`` runs
 are saved only when ``--out`` is given. ``report.py`` prints the tables again and ``plot.py``
 draws them.
@@ -207,7 +207,7 @@ def parse_args(argv=None):
     p.add_argument("--pause-ms", type=float, default=30.0, help="sleep before each block (default 30)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 0.3 s per cell, at least 20 calls")
     p.add_argument("--out", "--json", dest="out", metavar="PATH",
-                   help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
+                   help="results file (default: benchmarks/results/MACHINE.json; --quick runs are "
                         "saved only when this is given)")
     p.add_argument("--no-save", action="store_true", help="print the report only")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

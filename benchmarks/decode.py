@@ -7,9 +7,9 @@ Usage (from a checkout, after ``pip install .``; the installed attnx is the one 
     python benchmarks/decode.py                         # full run, saved under benchmarks/results/
     python benchmarks/decode.py --kv-heads 32 --lengths 2048 32768 --dtypes float16 --out run.json
 
-A full run goes into the ``decode`` section of ``benchmarks/results/DATE-MACHINE-COMMIT.json``
-(the file compare.py writes on the same machine and build; see results_file.py); ``--out``
-names another file.
+A full run goes into the ``decode`` section of ``benchmarks/results/MACHINE.json``
+(the machine's file, which compare.py writes too; see results_file.py); ``--out`` names another
+file.
 
 Case
 ----
@@ -690,7 +690,7 @@ def parse_args(argv=None):
     p.add_argument("--pause-ms", type=float, default=30.0, help="sleep before each block (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random keys, values and query")
     p.add_argument("--out", "--json", dest="out", metavar="PATH",
-                   help="results file (default: benchmarks/results/DATE-MACHINE-COMMIT.json; --quick runs are "
+                   help="results file (default: benchmarks/results/MACHINE.json; --quick runs are "
                         "saved only when this is given)")
     p.add_argument("--precision", choices=("float32", "bfloat16", "int8"), default="float32",
                    help="attnx's precision= (attnx at the default precision runs beside it; int8: int8 caches "

@@ -7,7 +7,7 @@ Usage (from a checkout, after ``pip install .``; the installed attnx is the one 
     python benchmarks/paged.py --quick                  # smoke run, nothing saved
     python benchmarks/paged.py --threads 1 2            # full run, saved under benchmarks/results/
 
-A full run goes into the ``paged`` section of ``benchmarks/results/DATE-MACHINE-COMMIT.json``
+A full run goes into the ``paged`` section of ``benchmarks/results/MACHINE.json``
 (see results_file.py); ``--out`` names another file.
 
 Cases

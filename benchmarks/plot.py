@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Plots of a results file (benchmarks/results/DATE-MACHINE-COMMIT.json) as PNGs.
+"""Plots of a results file (benchmarks/results/MACHINE.json) as PNGs.
 
-    python benchmarks/plot.py benchmarks/results/2026-11-29-intel-xeon-processor-avx512-2core-490aa68.json
+    python benchmarks/plot.py benchmarks/results/intel-xeon-processor-avx512-2core.json
 
 writes, into ``--out-dir`` (default benchmarks/plots/), with the machine label in the names:
 
@@ -45,11 +45,12 @@ def short_label(shape: dict) -> str:
     return f"{tag}B{shape['B']} H{shape['H']}\nL{shape['L']} S{shape['S']} D{shape['D']}"
 
 
-def title_of(data: dict, load: str) -> str:
-    """The machine (label, CPU, kernel, cores), the load the figures were measured under and the commit."""
+def title_of(data: dict, section: str, load: str) -> str:
+    """The machine (label, CPU, kernel, cores), the load the figures were measured under and the
+    commit the section measured."""
     m = data.get("machine", {})
     return (f"{m.get('cpu_model', '?')}, {m.get('isa', '?')}, {m.get('cores', '?')} cores; "
-            f"attnx {data.get('commit', '?')}\nload: {load}")
+            f"attnx {data[section].get('commit', '?')}\nload: {load}")
 
 
 def background_load(runs: list[dict]) -> str:
@@ -98,7 +99,7 @@ def plot_speedup(data: dict, path: str, dpi: int) -> str:
     ax.set_ylabel("speed-up over the best peer (x)")
     ax.set_ylim(0, top * 1.2)
     ax.set_title("attnx's speed-up over the fastest peer (> 1: attnx faster; ORT = ONNX Runtime, OV = OpenVINO)\n"
-                 + title_of(data, background_load(runs)), fontsize=9)
+                 + title_of(data, "compare", background_load(runs)), fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
@@ -133,7 +134,7 @@ def plot_sweep(data: dict, path: str, dpi: int) -> str:
     axes[0][0].set_ylabel("median time per call (ms)")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"sdpa B{shape['B']} H{shape['H']} D{shape['D']}, float32, time against length\n"
-                 + title_of(data, background_load(runs)), fontsize=9)
+                 + title_of(data, "sweep", background_load(runs)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -183,7 +184,7 @@ def plot_contention(data: dict, busy: int, path: str, dpi: int) -> str:
     ax.set_ylabel("time per call (ms), log scale")
     ax.grid(True, axis="y", which="major", alpha=0.3)
     ax.set_title(f"Latency of single calls, p50 and p99, {threads[0]} thread vs {threads[-1]} threads\n"
-                 + title_of(data, load_name(busy)), fontsize=9)
+                 + title_of(data, "contention", load_name(busy)), fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Markdown tables of a results file (benchmarks/results/DATE-MACHINE-COMMIT.json).
+"""Markdown tables of a results file (benchmarks/results/MACHINE.json).
 
-    python benchmarks/report.py benchmarks/results/2026-11-29-intel-xeon-processor-avx512-2core-490aa68.json
+    python benchmarks/report.py benchmarks/results/intel-xeon-processor-avx512-2core.json
 
 prints, for each section the file has, the tables that benchmarks/README.md shows: compare.py's
 per thread count (times, best peer, speed-ups, attnx's fraction of the FMA peak or of the read
@@ -375,6 +375,11 @@ def background(run: dict) -> str:
     return "" if share is None else f" Other processes used {100 * share:.1f}% of the machine's CPU time meanwhile."
 
 
+def stamp(section: dict) -> str:
+    """When a section was measured, and on which build."""
+    return f"{section.get('date')}, build {section.get('commit')}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -383,15 +388,14 @@ def main(argv=None) -> int:
     with open(opts.results) as f:
         data = json.load(f)
     m = data.get("machine", {})
-    print(f"{m.get('cpu_model')} ({m.get('isa')}, {m.get('cores')} cores, kernel {m.get('kernel')}); "
-          f"build {data.get('commit')}: {data.get('build')}")
+    print(f"{m.get('cpu_model')} ({m.get('isa')}, {m.get('cores')} cores, kernel {m.get('kernel')}).")
     for key in ("compare", "transformer", "ragged", "compare-bfloat16", "transformer-bfloat16", "ragged-bfloat16",
                 "scaling_quick"):
         if key not in data:
             continue
         v = data[key]["versions"]
         what = "compare.py" if key == "compare" else f"compare.py ({key})"
-        print(f"\n{what}, {data[key].get('date')}; " + ", ".join(f"{n} {str(v.get(n)).split('-')[0] if v.get(n) else '(not installed)'}"
+        print(f"\n{what}, {stamp(data[key])}; " + ", ".join(f"{n} {str(v.get(n)).split('-')[0] if v.get(n) else '(not installed)'}"
                                                                 for n in LIBRARIES) + ".")
         for run in data[key]["runs"]:
             if "results" not in run:
@@ -405,7 +409,7 @@ def main(argv=None) -> int:
         print("\nSpeed-up over the best peer and fraction of peak by thread count (compare and scaling_quick):\n")
         print(scaling_table(data["compare"]["runs"] + data["scaling_quick"]["runs"]))
     if "sweep" in data:
-        print(f"\ncompare.py --sweep, {data['sweep'].get('date')}.")
+        print(f"\ncompare.py --sweep, {stamp(data['sweep'])}.")
         for run in data["sweep"]["runs"]:
             if "results" in run:
                 print(f"\n**{run['threads']} thread(s).**{background(run)}\n")
@@ -413,12 +417,12 @@ def main(argv=None) -> int:
     if "decode" in data:
         d = data["decode"]
         c, run = d["config"], d["run"]
-        print(f"\ndecode.py, {d.get('date') or d['machine'].get('date')}; {c['threads']} thread(s), "
+        print(f"\ndecode.py, {stamp(d)}; {c['threads']} thread(s), "
               f"{c['kv_heads']} KV heads; DRAM read bandwidth {run['peaks']['read_bandwidth']['gbs']:.1f} GB/s."
               f"{background(run)}\n")
         print(decode_table(run))
     if "contention" in data:
-        print(f"\ncontention.py, {data['contention'].get('date')}.\n")
+        print(f"\ncontention.py, {stamp(data['contention'])}.\n")
         print(contention_report(data["contention"]))
     return 0
 

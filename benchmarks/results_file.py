@@ -1,23 +1,21 @@
-"""One results file per machine and build: ``benchmarks/results/DATE-MACHINE-COMMIT.json``.
+"""One results file per machine: ``benchmarks/results/MACHINE.json``.
 
-compare.py (its ``compare``, ``sweep`` and other sections) and decode.py (its ``decode``
-section) write into the same file when they run on the same machine and build, so one file
-holds everything measured there:
+Every script (compare.py's ``compare``, ``sweep`` and other sections, decode.py's ``decode``,
+paged.py's, contention.py's) writes its report as one section of the machine's file; a section
+run again replaces the old one, whose figures stay in git's history. The file holds:
 
-* ``date`` (UTC, of the first section written), ``commit`` (``git rev-parse --short HEAD`` of the
-  checkout the scripts run from, ``"unknown"`` outside a checkout; the attnx imported is the
-  installed one, so install the checkout first: ``pip install .``), ``build`` (a sentence on
-  which build the figures are of),
 * ``machine``: label (CPU model, the SIMD kernel attnx dispatches to, cores), CPU model, kernel
   release, cores,
 * ``peaks``: per thread count, the FP32 FMA peak, the achievable GEMM rate and the read
-  bandwidth that compare.py measured,
-* one key per section, each the full report of the script that wrote it (with its own date).
+  bandwidth that the ``compare`` section measured,
+* one key per section, each the full report of the script that wrote it, with its ``date`` (UTC)
+  and ``commit``: ``git rev-parse --short HEAD`` of the checkout the script ran from
+  (``"unknown"`` outside a checkout). The attnx imported is the installed one, so install the
+  checkout first (``pip install .``); sections of one file may measure different builds.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import platform
@@ -72,16 +70,10 @@ def machine_info() -> dict:
             "kernel": platform.release(), "platform": platform.platform(), "python": platform.python_version()}
 
 
-def default_path(machine: dict | None = None, commit: str | None = None) -> str:
-    """The file for this machine and build: an existing ``*-MACHINE-COMMIT.json`` (whatever its
-    date) when there is one, else ``DATE-MACHINE-COMMIT.json`` with today's date (UTC)."""
+def default_path(machine: dict | None = None) -> str:
+    """The machine's file: ``results/MACHINE.json``."""
     machine = machine or machine_info()
-    commit = commit or git_commit()
-    tail = f"-{machine['label']}-{commit}.json"
-    existing = sorted(glob.glob(os.path.join(RESULTS_DIR, "*" + tail)))
-    if existing:
-        return existing[-1]
-    return os.path.join(RESULTS_DIR, time.strftime("%Y-%m-%d", time.gmtime()) + tail)
+    return os.path.join(RESULTS_DIR, f"{machine['label']}.json")
 
 
 def peaks_summary(compare_report: dict) -> dict:
@@ -101,25 +93,22 @@ def peaks_summary(compare_report: dict) -> dict:
 
 
 def write_section(section: str, report: dict, path: str | None = None, *, commit: str | None = None,
-                  machine: dict | None = None, build: str | None = None) -> str:
-    """Put `report` under `section` of the machine's results file (created when missing);
-    returns the path written."""
+                  machine: dict | None = None) -> str:
+    """Put `report` under `section` of the machine's results file (created when missing), stamped
+    with the date and the commit it measured; returns the path written."""
     machine = machine or machine_info()
     commit = commit or git_commit()
-    path = os.path.abspath(path) if path else default_path(machine, commit)
+    path = os.path.abspath(path) if path else default_path(machine)
     data: dict = {}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    data.setdefault("date", time.strftime("%Y-%m-%d", time.gmtime()))
-    data["commit"] = data.get("commit", commit)
-    data.setdefault("build", f"the attnx installed from the checkout at {commit}" if build is None else build)
     data.setdefault("machine", machine)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": commit, **report}
     data[section] = report
     if section == "compare":
         data["peaks"] = peaks_summary(report)
-    ordered = {k: data[k] for k in ("date", "commit", "build", "machine", "peaks") if k in data}
+    ordered = {k: data[k] for k in ("machine", "peaks") if k in data}
     ordered.update({k: v for k, v in data.items() if k not in ordered})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

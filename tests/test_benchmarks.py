@@ -62,21 +62,24 @@ def test_readme_command_starts(command):
     assert "usage:" in proc.stdout
 
 
-def test_results_files_are_named_by_date_machine_commit():
+def test_results_files_are_one_per_machine_each_section_dated():
     files = sorted(RESULTS.glob("*.json"))
     assert files
-    # results/ holds the runs benchmarks/README.md cites; older ones live in git's history.
+    # results/ holds the current runs, which benchmarks/README.md cites; older ones live in git's
+    # history.
     readme = (RESULTS.parent / "README.md").read_text("utf-8")
     for path in files:
         assert path.name in readme, f"{path.name} is not cited by benchmarks/README.md"
         data = json.loads(path.read_text("utf-8"))
-        name = f"{data['date']}-{data['machine']['label']}-{data['commit']}.json"
-        assert path.name == name, (path.name, name)
-        assert re.fullmatch(r"[0-9a-f]{7,12}|unknown", data["commit"]), data["commit"]
+        assert path.name == f"{data['machine']['label']}.json", path.name
+        assert data["machine"]["cpu_model"] and data["machine"]["cores"] >= 1
+        sections = {k: v for k, v in data.items() if k not in ("machine", "peaks")}
         # A benchmark's section, or one of its variants ("compare-bfloat16", "decode-bfloat16").
-        kinds = {"compare", "transformer", "ragged", "decode", "sweep", "paged"}
-        assert any(key.split("-")[0] in kinds for key in data), sorted(data)
-        assert data["build"] and data["machine"]["cpu_model"] and data["machine"]["cores"] >= 1
+        kinds = {"compare", "transformer", "ragged", "decode", "sweep", "paged", "contention", "scaling_quick"}
+        assert sections and all(k.split("-")[0] in kinds for k in sections), sorted(data)
+        for key, section in sections.items():
+            assert re.fullmatch(r"[0-9a-f]{7,12}", section["commit"]), (path.name, key, section["commit"])
+            assert re.fullmatch(r"\d{4}-\d\d-\d\d .*", section["date"]), (path.name, key, section["date"])
         if "compare" in data:
             threads = {str(r["threads"]) for r in data["compare"]["runs"]}
             assert set(data["peaks"]) == threads, (path.name, sorted(data["peaks"]), threads)
@@ -91,15 +94,18 @@ def test_default_path_and_commit(tmp_path, monkeypatch):
     assert results_file.git_commit(str(tmp_path)) == "unknown"  # not a checkout
     machine = {"label": "some-cpu-avx2-2core"}
     monkeypatch.setattr(results_file, "RESULTS_DIR", str(tmp_path))
-    path = pathlib.Path(results_file.default_path(machine, "abc1234"))
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d-some-cpu-avx2-2core-abc1234\.json", path.name), path.name
+    path = pathlib.Path(results_file.default_path(machine))
+    assert path.name == "some-cpu-avx2-2core.json", path.name
     written = results_file.write_section("decode", {"run": {}}, None, commit="abc1234", machine=machine)
     assert written == str(path)
-    # A later run of the same machine and build adds its section to the same file.
-    assert results_file.default_path(machine, "abc1234") == written
-    results_file.write_section("sweep", {"runs": []}, None, commit="abc1234", machine=machine)
+    # A later run on the same machine, of another build, adds its section to the same file, and a
+    # section run again replaces the old one.
+    results_file.write_section("sweep", {"runs": []}, None, commit="def5678", machine=machine)
+    results_file.write_section("decode", {"run": {"x": 1}}, None, commit="def5678", machine=machine)
     data = json.loads(path.read_text())
-    assert data["commit"] == "abc1234" and {"decode", "sweep"} <= set(data)
+    assert list(data) == ["machine", "decode", "sweep"], list(data)
+    assert data["decode"]["commit"] == "def5678" and data["decode"]["run"] == {"x": 1}
+    assert data["sweep"]["commit"] == "def5678"
     assert results_file.slug("Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz") == "intel-xeon-gold-6338"
 
 
@@ -120,9 +126,10 @@ def _tiny_results(tmp_path) -> pathlib.Path:
     sweep = [{"threads": t, "peaks": peaks, "results": [result(f"sweep-l{n}", "sdpa", n, {"attnx": n / 100, "numpy": n / 50})
                                                         for n in (64, 128)]} for t in (1, 2)]
     versions = {"attnx": "0", "numpy": "0"}
-    data = {"date": "2000-01-01", "commit": "unknown", "build": "test", "machine": {"label": "test-cpu", "cpu_model": "test",
-            "isa": "scalar", "cores": 2, "kernel": "0"},
-            "compare": {"versions": versions, "runs": runs}, "sweep": {"versions": versions, "runs": sweep}}
+    stamp = {"date": "2000-01-01 00:00:00 UTC", "commit": "abc1234"}
+    data = {"machine": {"label": "test-cpu", "cpu_model": "test", "isa": "scalar", "cores": 2, "kernel": "0"},
+            "compare": {**stamp, "versions": versions, "runs": runs},
+            "sweep": {**stamp, "versions": versions, "runs": sweep}}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(data))
     return path
@@ -164,11 +171,11 @@ def _contention_results(tmp_path) -> pathlib.Path:
 
     runs = [{"threads": t, "results": [result("tiny", "sdpa", 0.004, t), result("mha-e64", "mha", 0.02, t)]}
             for t in (1, 2)]
-    section = {"machine": {"cpu_model": "test", "cores": 2}, "versions": {"attnx": "0", "numpy": "0", "torch": "0"},
+    section = {"date": "2000-01-01 00:00:00 UTC", "commit": "abc1234",
+               "machine": {"cpu_model": "test", "cores": 2}, "versions": {"attnx": "0", "numpy": "0", "torch": "0"},
                "config": {"threads": [1, 2], "busy": [0, 1], "seconds": 3.0, "calls": None, "min_calls": 200,
                           "rounds": 10}, "runs": runs}
-    data = {"date": "2000-01-01", "commit": "abc1234", "build": "test",
-            "machine": {"label": "test-cpu", "cpu_model": "test", "isa": "scalar", "cores": 2, "kernel": "0"},
+    data = {"machine": {"label": "test-cpu", "cpu_model": "test", "isa": "scalar", "cores": 2, "kernel": "0"},
             "contention": section}
     path = tmp_path / "contention.json"
     path.write_text(json.dumps(data))
