@@ -186,6 +186,24 @@ def test_round_random_bits_every_length(table, n):
     assert np.array_equal(values.view(np.uint32), bits.astype(np.uint32) << 16)
 
 
+@pytest.mark.parametrize("table", TABLES)
+def test_round_vectors_of_normal_values_and_one_special_lane(table):
+    # A vector whose lanes are all normal numbers or infinities is rounded by the addition alone;
+    # one NaN, zero or subnormal lane among them sends the whole vector through every rule.
+    normal = SPECIAL_BITS[7:24]
+    x = np.resize(normal, 64)
+    for lanes in (x, np.roll(x, 5)):
+        bits, values = _testing.bf16_round(lanes.view(np.float32), table=table)
+        assert np.array_equal(bits, round_bits(lanes.view(np.float32))), [hex(v) for v in bits]
+    for special in SPECIAL_BITS[np.r_[0:7, 24:len(SPECIAL_BITS)]]:
+        for at in (0, 3, 7, 12, 15, 31, 40, 63):
+            lanes = x.copy()
+            lanes[at] = special
+            bits, values = _testing.bf16_round(lanes.view(np.float32), table=table)
+            assert np.array_equal(bits, round_bits(lanes.view(np.float32))), (hex(special), at)
+            assert np.array_equal(values.view(np.uint32), bits.astype(np.uint32) << 16)
+
+
 def test_round_reference_agrees_with_ml_dtypes_on_normal_values():
     rng = np.random.default_rng(5)
     x = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
