@@ -450,10 +450,10 @@ def test_unknown_bf16_products_raises_naming_the_choices():
 
 def _int8_kernels(isa):
     """show_config's int8 kernels at a level: vpdpbusd at the AVX-512 levels of a CPU with
-    AVX512_VNNI, else the AVX2 (or scalar) float kernels."""
+    AVX512_VNNI, else AVX2's vpmaddubsw, or the scalar float kernels."""
     if isa.startswith("avx512") and "avx512_vnni" in _cpu_flags():
         return "avx512_vnni"
-    return f"{'scalar' if isa == 'scalar' else 'avx2'} (float32 products)"
+    return "scalar (float32 products)" if isa == "scalar" else "avx2 (vpmaddubsw)"
 
 
 def _cpu_flags():

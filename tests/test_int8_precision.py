@@ -352,4 +352,4 @@ def test_the_core_refuses_int8_products_over_float_keys():
 
 def test_show_config_names_the_int8_kernels():
     cfg = attnx.show_config()
-    assert cfg["precisions"]["int8"] in ("avx512_vnni", "avx2 (float32 products)", "scalar (float32 products)")
+    assert cfg["precisions"]["int8"] in ("avx512_vnni", "avx2 (vpmaddubsw)", "scalar (float32 products)")

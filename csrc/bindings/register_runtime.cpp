@@ -34,13 +34,14 @@ void register_runtime(py::module_& m) {
                                         : std::string(isa_name(bf16.isa)) + " (emulated)";
     const Int8KernelTable& int8 = active_int8_kernels();
     kernels["int8"] = int8.isa == Isa::kAvx512 ? std::string("avx512_vnni")
+                      : int8.isa == Isa::kAvx2 ? std::string("avx2 (vpmaddubsw)")
                                                : std::string(isa_name(int8.isa)) + " (float32 products)";
     return kernels;
   }, "The kernels of each precision's products: the float kernels' instruction set, for "
      "bfloat16 'avx512_bf16' (vdpbf16ps), '<isa> (float32 products)' (float32 multiply-adds of "
      "the rounded operands) or '<isa> (emulated)' (vdpbf16ps's arithmetic, with "
-     "ATTNX_BF16_PRODUCTS=pairs), and for int8 'avx512_vnni' (vpdpbusd) or '<isa> (float32 "
-     "products)' (the same sums, exact in float32, on the AVX2 or scalar float kernels).");
+     "ATTNX_BF16_PRODUCTS=pairs), and for int8 'avx512_vnni' (vpdpbusd), 'avx2 (vpmaddubsw)' or "
+     "'scalar (float32 products)' (the same sums, exact in float32, on the scalar float kernels).");
   m.def("get_num_threads", &get_num_threads);
   m.def(
       "set_num_threads",

@@ -3,9 +3,10 @@
 // per call (quantize_int8, as a cache row is), a row's probabilities once
 // per block of keys (inside accumulate_pv). The sums are exact, and every
 // table takes the same float32 steps around them in the same order, so every
-// table gives the same bits: vpdpbusd where the CPU has AVX512_VNNI, else
-// the float32 row kernels, on which the sums are exact too
-// (simd/int8_kernels.h); the dispatcher picks one (dispatch/isa.cpp).
+// table gives the same bits: vpdpbusd where the CPU has AVX512_VNNI,
+// vpmaddubsw where it has AVX2 (simd/int8_avx2.h), else the scalar float32
+// row kernels, on which the sums are exact too (simd/int8_kernels.h); the
+// dispatcher picks one (dispatch/isa.cpp).
 #pragma once
 
 #include <cstdint>
@@ -65,9 +66,9 @@ bool cpu_has_avx512_vnni();
 
 // The table of a level on this CPU: vpdpbusd at the AVX-512 levels where the
 // CPU has AVX512_VNNI (Cascade Lake and Ice Lake have it without
-// AVX512_BF16), else the AVX2 float32 kernels' (AVX-512's would add as much
-// code for a route slower than the default precision), the scalar ones at
-// the scalar level; null where this build has none.
+// AVX512_BF16), else AVX2's vpmaddubsw (at the AVX-512 levels too), the
+// scalar float32 kernels' at the scalar level; null where this build has
+// none.
 const Int8KernelTable* int8_kernels_of(Isa level);
 // The table of the active level.
 const Int8KernelTable& active_int8_kernels();

@@ -85,7 +85,7 @@ def show_config() -> Config:
         ``vdpbf16ps`` is no faster than those, or that have none), ``isa +
         " (emulated)"`` with ``ATTNX_BF16_PRODUCTS=pairs`` on the others;
         ``i`` ``"avx512_vnni"`` where the integer products run on
-        ``vpdpbusd``, else ``"avx2 (float32 products)"`` or ``"scalar
+        ``vpdpbusd``, ``"avx2 (vpmaddubsw)"`` on AVX2's, else ``"scalar
         (float32 products)"``: the same sums, exact in float32), ``threads``,
         ``openmp`` (bool) and ``compiler``.
 

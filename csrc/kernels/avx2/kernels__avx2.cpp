@@ -3,7 +3,7 @@
 #include "kernels/simd/attention_kernels.h"
 #include "kernels/simd/bf16_kernels.h"
 #include "kernels/simd/bf16_rows_split.h"
-#include "kernels/simd/int8_kernels.h"
+#include "kernels/simd/int8_avx2.h"
 #include "kernels/simd/int8_quantize.h"
 #include "kernels/simd/vec_avx2.h"
 
@@ -32,11 +32,10 @@ const Bf16KernelTable& avx2_bf16_kernels() {
   return table;
 }
 
-// The int8 products on the float32 row kernels (see simd/int8_kernels.h).
+// The int8 products on vpmaddubsw (see simd/int8_avx2.h).
 const Int8KernelTable& avx2_int8_kernels() {
   static const Int8KernelTable table = [] {
-    Int8KernelTable t =
-        simd::FloatExactInt8Kernels<avx2_kernels_f32>::table("int8_products__avx2", Isa::kAvx2);
+    Int8KernelTable t = simd::Avx2Int8Kernels::table("int8_products__avx2_maddubs", Isa::kAvx2);
     t.quantize = simd::Avx2Int8Quantize::quantize;
     return t;
   }();
