@@ -195,12 +195,79 @@ struct Bf16Kernels {
     static V load_partial(const float* p, int n) { return round_vector(Vec::load_partial(p, n)); }
   };
   using Rows = RowKernels<Vec, RoundingLoads>;
+  using PlainRows = RowKernels<Vec>;
+
+  // Where more query rows than one group of the row kernels (Vec::
+  // kRowGroup) read the same keys or values, each group would round every
+  // element again: the rows are rounded once instead, a sub-block at a time
+  // into a buffer that stays in L1, and the float32 kernels read that (the
+  // same bits: they multiply the same rounded elements in the same order).
+  // A sub-block is a multiple of 4 rows, as the kernels group keys by four
+  // from a call's first.
+  static constexpr int64_t kRoundedFloats = 4096;  // 16 KiB
+  static constexpr int64_t kRoundedRowsMax = 128;
+
+  static int64_t rounded_stride(int64_t dim) { return (dim + W - 1) / W * W; }
+  static bool rounds_once(int rows, int64_t dim) {
+    return rows > Vec::kRowGroup && rows <= kRoundedRowsMax && rounded_stride(dim) * 16 <= kRoundedFloats;
+  }
+
+  // f(rounded, j0, n) for rows [j0, j0 + n) of `rows`, rounded; rows up to
+  // `listed` are asked for ahead as the row kernels ask.
+  template <typename F>
+  static void in_rounded_sub_blocks(const float* const* rows, int64_t n_rows, int64_t listed,
+                                    int64_t dim, F&& f) {
+    alignas(64) float buffer[kRoundedFloats];
+    const float* rounded[kRoundedRowsMax];
+    const int64_t ld = rounded_stride(dim);
+    const int64_t sub = min64(kRoundedRowsMax, kRoundedFloats / ld) / 4 * 4;
+    const int64_t ahead = prefetch_distance<float>(true, dim);
+    const int64_t whole = dim / W * W;
+    for (int64_t j0 = 0; j0 < n_rows; j0 += sub) {
+      const int64_t n = min64(sub, n_rows - j0);
+      for (int64_t j = 0; j < n; ++j) {
+        if (ahead && j0 + j + ahead < listed) prefetch_rows(rows[j0 + j + ahead], 0, 1, dim);
+        const float* src = rows[j0 + j];
+        float* dst = buffer + j * ld;
+        for (int64_t i = 0; i < whole; i += W) Vec::store(dst + i, round_vector(Vec::load(src + i)));
+        if (whole < dim) {
+          const int tail = static_cast<int>(dim - whole);
+          Vec::store_partial(dst + whole, round_vector(Vec::load_partial(src + whole, tail)), tail);
+        }
+        rounded[j] = dst;
+      }
+      f(rounded, j0, n);
+    }
+  }
+
+  static void scores_rounded(const float* const* q, int rows, const float* const* k,
+                             int64_t n_keys, int64_t listed, int64_t dim, float scale,
+                             float* const* dst) {
+    if (!rounds_once(rows, dim))
+      return Rows::scores_listed_native(q, rows, k, n_keys, listed, dim, scale, dst);
+    in_rounded_sub_blocks(k, n_keys, listed, dim, [&](const float* const* keys, int64_t j0, int64_t n) {
+      float* d[kRoundedRowsMax];
+      for (int r = 0; r < rows; ++r) d[r] = dst[r] + j0;
+      PlainRows::scores_listed_native(q, rows, keys, n, n, dim, scale, d);
+    });
+  }
+
+  static void accumulate_pv_rounded(const float* const* p, int rows, const float* const* v,
+                                    int64_t n_keys, int64_t listed, int64_t dim, float* const* acc) {
+    if (!rounds_once(rows, dim))
+      return Rows::accumulate_pv_listed_native(p, rows, v, n_keys, listed, dim, acc);
+    in_rounded_sub_blocks(v, n_keys, listed, dim, [&](const float* const* values, int64_t j0, int64_t n) {
+      const float* pr[kRoundedRowsMax];
+      for (int r = 0; r < rows; ++r) pr[r] = p[r] + j0;
+      PlainRows::accumulate_pv_listed_native(pr, rows, values, n, n, dim, acc);
+    });
+  }
 
   static Bf16KernelTable table(const char* name, Isa isa) {
     return Bf16KernelTable{name,           isa,   kNative,    kVectors * W,
                            gemm,           round, round_in_place, pack_pairs,
                            kWideVectors * W, kNative ? gemm_wide : gemm,
-                           Rows::scores_listed_native, Rows::accumulate_pv_listed_native,
+                           scores_rounded, accumulate_pv_rounded,
                            kNative ? dot_probe : nullptr, nullptr, nullptr, nullptr};
   }
 };
