@@ -94,12 +94,16 @@ def test_grouped_rows_with_closed_keys_and_nan_values(rng, dtype):
 
 
 @pytest.mark.parametrize("storage", [np.float16, "bfloat16"])
-def test_grouped_rows_read_16_bit_keys_and_values(rng, storage):
-    # float16 / bfloat16 keys and values are read straight from storage for up to 4 rows.
+@pytest.mark.parametrize("group", [4, 8, 16, 24])
+def test_grouped_rows_read_16_bit_keys_and_values(rng, storage, group):
+    # float16 / bfloat16 keys and values are read straight from storage by up to four groups of
+    # the row kernels' rows (8 rows on AVX2, 16 on AVX-512), and widened into a buffer for more:
+    # the same bits either way, and those of the float32 keys and values they widen to.
     if storage == "bfloat16":
         ml_dtypes = pytest.importorskip("ml_dtypes")
         storage = ml_dtypes.bfloat16
-    Hq, Hk, L, S, E = 8, 2, 1, 300, 64
+    Hk, L, S, E = 2, 1, 300, 64
+    Hq = group * Hk
     q = rng.standard_normal((1, Hq, L, E)).astype(np.float32)
     k = rng.standard_normal((1, Hk, S, E)).astype(storage)
     v = rng.standard_normal((1, Hk, S, E)).astype(storage)

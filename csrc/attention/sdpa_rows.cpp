@@ -67,12 +67,14 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   const RowReader<T> keys = row_reader(a.key, kt, b, kv_head);
   const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
   // 16-bit and int8 keys and values are read straight from storage by their
-  // row kernels, widened in registers, for up to 4 rows (decoding, grouped
-  // heads included); for more rows a block is widened once into a buffer and
-  // read from there by every row: for a few rows, widening again for each
-  // costs less than storing the block and loading it back (see docs/tuning.md).
-  const bool direct_keys = rows <= 4 && keys.stored();
-  const bool direct_values = rows <= 4 && values.stored();
+  // row kernels, widened in registers, for up to kDirectRowGroups groups of
+  // the row kernels' rows (int8: kDirectInt8Rows rows); for more rows a block
+  // is widened once into a buffer and read from there by every row: for a
+  // few groups, widening again for each costs less than storing the block
+  // and loading it back.
+  const int64_t direct_rows = keys.q8 ? kDirectInt8Rows : kDirectRowGroups * kt.row_group;
+  const bool direct_keys = rows <= direct_rows && keys.stored();
+  const bool direct_values = rows <= direct_rows && values.stored();
   // A paged cache's rows, which lie in blocks, are listed one pointer each
   // and read by the listed kernels: a block of kKeyBlock keys is then one
   // call, read and asked for ahead as a contiguous one is (a call per

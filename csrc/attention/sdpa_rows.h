@@ -14,6 +14,16 @@ namespace attnx::sdpa {
 constexpr int64_t kQueryBlock = 32;   // rows per task on the row path
 constexpr int64_t kKeyBlock = 128;    // keys per block on the row path
 constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multiple of kKeyBlock)
+// Rows that read a 16-bit cache in place, widening it in registers, as
+// groups of the row kernels' rows (KernelTable::row_group: 16 rows on
+// AVX-512, 8 on AVX2): decoding with up to 16 query heads a key head. Past
+// that a block is widened once into a buffer, which every group then reads
+// (measurements: docs/tuning.md). The same bits either way. An int8 cache's
+// rows are read in place for up to kDirectInt8Rows rows: the int8 kernels
+// apply a row's scale where the buffer does not, so the rule decides the
+// bits, and it stays as it was.
+constexpr int64_t kDirectRowGroups = 4;
+constexpr int64_t kDirectInt8Rows = 4;
 // Keys per task on the row path for a sequence of `keys` keys: kKeyChunk,
 // or with int8 products a quarter of the keys, in whole blocks, from
 // kKeyChunk to 4 kKeyChunk. An int8 row is a quarter of a float32 one, so

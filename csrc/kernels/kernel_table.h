@@ -61,6 +61,7 @@ struct KernelTable {
   int query_tile;        // queries per flash tile: the lanes of softmax_tile
   int panel_width;       // columns per gemm panel (pack B in panels this wide)
   int wide_panel_width;  // the same for gemm_wide
+  int row_group;         // query rows the row kernels take through each key at once
 
   // C[m][n] = init + sum_k A(m, k) * B[k][n] for m < M, n < N, where
   // A(m, k) = a[m * a_row + k * a_col] (any layout: it is read by broadcasts)

@@ -40,6 +40,7 @@ struct Kernels {
                      Softmax::QT,
                      Gemm::NR,
                      Gemm::kWideWidth,
+                     Vec::kRowGroup,
                      Gemm::gemm,
                      Softmax::softmax_tile,
                      Softmax::add_mask_sums,
