@@ -85,7 +85,7 @@ struct Avx2Int8Kernels {
   // R rows against every key: K keys a step (the rows' sums in 8 registers
   // of 16), the last ones one by one.
   template <int R, int C>
-  static void scores_rows(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
+  static void scores_all_keys(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
                           const float* k_scales, int64_t n_keys, int64_t listed, int64_t dim,
                           float* const* dst, int64_t ahead) {
     constexpr int K = R >= 4 ? 2 : 4;
@@ -99,24 +99,20 @@ struct Avx2Int8Kernels {
   }
 
   template <int R>
-  static void scores_of(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
-                        const float* k_scales, int64_t n_keys, int64_t listed, int64_t dim,
-                        float* const* dst, int64_t ahead) {
+  static void scores_rows(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
+                          const float* k_scales, int64_t n_keys, int64_t listed, int64_t dim,
+                          float* const* dst, int64_t ahead) {
     // Head dims of 128 (the common one) unrolled, the others in the loop.
-    if (dim == 128) return scores_rows<R, 4>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
-    scores_rows<R, 0>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+    if (dim == 128)
+      return scores_all_keys<R, 4>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
+    scores_all_keys<R, 0>(q, q_scales, k, k_scales, n_keys, listed, dim, dst, ahead);
   }
 
   static void scores(const int8_t* const* q, const float* q_scales, int rows,
                      const int8_t* const* k, const float* k_scales, int64_t n_keys,
                      int64_t listed, int64_t dim, float* const* dst) {
-    const int64_t ahead = int8_rows_ahead(dim);
-    in_row_groups_of_four(rows, ahead, [&](int r0, int count, int64_t a) {
-      if (count == 4)
-        scores_of<4>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0, a);
-      else
-        scores_of<1>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0, a);
-    });
+    int8_scores_in_row_groups<Avx2Int8Kernels>(q, q_scales, rows, k, k_scales, n_keys, listed,
+                                               dim, dst);
   }
 
   // The first n of 8 lanes (none for n <= 0), as a mask of int32 lanes.
@@ -253,27 +249,8 @@ struct Avx2Int8Kernels {
   static void accumulate_pv(const float* const* p, int rows, const int8_t* const* v,
                             const float* v_scales, int64_t n_keys, int64_t listed, int64_t dim,
                             float* const* acc) {
-    if (n_keys <= 0) return;
-    const int64_t ahead = int8_rows_ahead(dim);
-    alignas(32) uint8_t levels[2][kInt8MaxBlock + 16];
-    bool first = true;
-    for (int r0 = 0; r0 < rows; r0 += 2) {
-      const uint8_t* lv[2];
-      float factors[2];
-      float* out[2];
-      int count = 0;
-      for (int r = r0; r < rows && r < r0 + 2; ++r) {
-        const Int8Probabilities q = quantize(p[r], v_scales, n_keys, levels[count]);
-        if (!q.adds()) continue;
-        lv[count] = levels[count], factors[count] = q.factor(), out[count++] = acc[r];
-      }
-      if (count == 0) continue;
-      // Only the first group streams the values; the others find them in cache.
-      const int64_t a = first ? ahead : 0;
-      first = false;
-      for (int64_t d0 = 0; d0 < dim; d0 += 32)
-        pv_rows(count, lv, factors, v, n_keys, d0, dim, out, d0 == 0 ? a : 0, listed);
-    }
+    int8_accumulate_pv_in_row_groups<Avx2Int8Kernels, 2, 32>(p, rows, v, v_scales, n_keys, listed,
+                                                             dim, acc);
   }
 
   static Int8KernelTable table(const char* name, Isa isa) {

@@ -80,6 +80,55 @@ struct Int8Probabilities {
 // kPrefetchBytes).
 inline int64_t int8_rows_ahead(int64_t dim) { return prefetch_distance<int8_t>(true, dim); }
 
+// The row loops of the int8 tables on vectors (int8_vnni.h, int8_avx2.h).
+// Scores: four query rows at a time (Kernels::scores_rows<4>), the rest one
+// by one (as fast a row: the products and each row's sums are the same;
+// fewer kernels in the library); only the first group asks for keys ahead.
+template <class Kernels>
+void int8_scores_in_row_groups(const int8_t* const* q, const float* q_scales, int rows,
+                               const int8_t* const* k, const float* k_scales, int64_t n_keys,
+                               int64_t listed, int64_t dim, float* const* dst) {
+  in_row_groups_of_four(rows, int8_rows_ahead(dim), [&](int r0, int count, int64_t a) {
+    if (count == 4)
+      Kernels::template scores_rows<4>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim,
+                                       dst + r0, a);
+    else
+      Kernels::template scores_rows<1>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim,
+                                       dst + r0, a);
+  });
+}
+
+// P.V: kGroup rows at a time, each row's probabilities quantized
+// (Kernels::quantize: levels zero up to a multiple of 4 past the block), the
+// rows that take nothing from the block left out, then Kernels::pv_rows over
+// the columns kChunk at a time. Only the first group streams the values;
+// the others find them in cache.
+template <class Kernels, int kGroup, int64_t kChunk>
+void int8_accumulate_pv_in_row_groups(const float* const* p, int rows, const int8_t* const* v,
+                                      const float* v_scales, int64_t n_keys, int64_t listed,
+                                      int64_t dim, float* const* acc) {
+  if (n_keys <= 0) return;
+  const int64_t ahead = int8_rows_ahead(dim);
+  alignas(64) uint8_t levels[kGroup][kInt8MaxBlock + 16];
+  bool first = true;
+  for (int r0 = 0; r0 < rows; r0 += kGroup) {
+    const uint8_t* lv[kGroup];
+    float factors[kGroup];
+    float* out[kGroup];
+    int count = 0;
+    for (int r = r0; r < rows && r < r0 + kGroup; ++r) {
+      const Int8Probabilities q = Kernels::quantize(p[r], v_scales, n_keys, levels[count]);
+      if (!q.adds()) continue;
+      lv[count] = levels[count], factors[count] = q.factor(), out[count++] = acc[r];
+    }
+    if (count == 0) continue;
+    const int64_t a = first ? ahead : 0;
+    first = false;
+    for (int64_t d0 = 0; d0 < dim; d0 += kChunk)
+      Kernels::pv_rows(count, lv, factors, v, n_keys, d0, dim, out, d0 == 0 ? a : 0, listed);
+  }
+}
+
 struct PortableInt8Kernels {
   static void scores(const int8_t* const* q, const float* q_scales, int rows,
                      const int8_t* const* k, const float* k_scales, int64_t n_keys,

@@ -227,15 +227,8 @@ struct Avx512VnniInt8Kernels {
   static void scores(const int8_t* const* q, const float* q_scales, int rows,
                      const int8_t* const* k, const float* k_scales, int64_t n_keys,
                      int64_t listed, int64_t dim, float* const* dst) {
-    const int64_t ahead = int8_rows_ahead(dim);
-    // Four rows at a time, the rest one by one (as fast a row: the products
-    // and each row's sums are the same; fewer kernels in the library).
-    in_row_groups_of_four(rows, ahead, [&](int r0, int count, int64_t a) {
-      if (count == 4)
-        scores_rows<4>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0, a);
-      else
-        scores_rows<1>(q + r0, q_scales + r0, k, k_scales, n_keys, listed, dim, dst + r0, a);
-    });
+    int8_scores_in_row_groups<Avx512VnniInt8Kernels>(q, q_scales, rows, k, k_scales, n_keys,
+                                                     listed, dim, dst);
   }
 
   // The quantized probabilities of a row (Int8Probabilities, in vectors):
@@ -366,26 +359,8 @@ struct Avx512VnniInt8Kernels {
   static void accumulate_pv(const float* const* p, int rows, const int8_t* const* v,
                             const float* v_scales, int64_t n_keys, int64_t listed, int64_t dim,
                             float* const* acc) {
-    if (n_keys <= 0) return;
-    const int64_t ahead = int8_rows_ahead(dim);
-    alignas(64) uint8_t levels[4][kInt8MaxBlock + 16];
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-      const uint8_t* lv[4];
-      float factors[4];
-      float* out[4];
-      int count = 0;
-      for (int r = r0; r < rows && r < r0 + 4; ++r) {
-        const Int8Probabilities q = quantize(p[r], v_scales, n_keys, levels[count]);
-        if (!q.adds()) continue;
-        lv[count] = levels[count], factors[count] = q.factor(), out[count++] = acc[r];
-      }
-      // Only the first group streams the values; the others find them in cache.
-      const int64_t a = r0 == 0 ? ahead : 0;
-      for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-        const int64_t ask = d0 == 0 ? a : 0;
-        pv_rows(count, lv, factors, v, n_keys, d0, dim, out, ask, listed);
-      }
-    }
+    int8_accumulate_pv_in_row_groups<Avx512VnniInt8Kernels, 4, 64>(p, rows, v, v_scales, n_keys,
+                                                                    listed, dim, acc);
   }
 
   static Int8KernelTable table(const char* name, Isa isa) {
