@@ -24,7 +24,7 @@ const KernelTable<double>& avx2_kernels_f64() {
 // The bfloat16 products, emulated (see simd/bf16_kernels.h).
 const Bf16KernelTable& avx2_bf16_kernels() {
   static const Bf16KernelTable table = [] {
-    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx2F32, false>::table(
+    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx2F32, false, avx2_kernels_f32>::table(
         "bf16_products__avx2_fma_emulated_mr4_nr16", Isa::kAvx2);
     t.scores_bf16_split = simd::Avx2SplitBf16Rows::scores;
     return t;

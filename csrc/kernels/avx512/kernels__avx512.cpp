@@ -22,7 +22,7 @@ const KernelTable<double>& avx512_kernels_f64() {
 // The bfloat16 products, emulated (see simd/bf16_kernels.h).
 const Bf16KernelTable& avx512_bf16_kernels() {
   static const Bf16KernelTable table = [] {
-    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx512F32, false>::table(
+    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx512F32, false, avx512_kernels_f32>::table(
         "bf16_products__avx512f_emulated_mr12_nr32", Isa::kAvx512);
     t.scores_bf16_split = simd::Avx512SplitBf16Rows::scores;
     return t;

@@ -14,7 +14,7 @@ namespace attnx {
 
 const Bf16KernelTable& avx512_native_bf16_kernels() {
   static const Bf16KernelTable table = [] {
-    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx512F32, true>::table(
+    Bf16KernelTable t = simd::Bf16Kernels<simd::Avx512F32, true, avx512_kernels_f32>::table(
         "bf16_products__avx512bf16_mr12_nr32", Isa::kAvx512);
     t.scores_bf16_rows = simd::Avx512Bf16Rows::scores;
     t.accumulate_pv_bf16_rows = simd::Avx512Bf16Rows::accumulate_pv;

@@ -21,8 +21,9 @@ const KernelTable<double>& scalar_kernels_f64() {
 
 // The bfloat16 products, emulated (see simd/bf16_kernels.h).
 const Bf16KernelTable& scalar_bf16_kernels() {
-  static const Bf16KernelTable table = simd::Bf16Kernels<simd::Portable<float>, false>::table(
-      "bf16_products__scalar_emulated_mr4_nr16", Isa::kScalar);
+  static const Bf16KernelTable table =
+      simd::Bf16Kernels<simd::Portable<float>, false, scalar_kernels_f32>::table(
+          "bf16_products__scalar_emulated_mr4_nr16", Isa::kScalar);
   return table;
 }
 

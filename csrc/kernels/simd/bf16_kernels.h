@@ -56,7 +56,10 @@ struct PairStep {
   }
 };
 
-template <class Vec, bool kNative>
+// Floats: the float32 table of the same level, whose row kernels read the
+// rows rounded once (rounds_once): called through it, so that a level
+// compiled apart (avx512_bf16) holds no second copy of them.
+template <class Vec, bool kNative, const KernelTable<float>& (*Floats)()>
 struct Bf16Kernels {
   using V = typename Vec::V;
   using Gemm = GemmKernels<Vec>;
@@ -195,7 +198,6 @@ struct Bf16Kernels {
     static V load_partial(const float* p, int n) { return round_vector(Vec::load_partial(p, n)); }
   };
   using Rows = RowKernels<Vec, RoundingLoads>;
-  using PlainRows = RowKernels<Vec>;
 
   // Where more query rows than one group of the row kernels (Vec::
   // kRowGroup) read the same keys or values, each group would round every
@@ -248,7 +250,8 @@ struct Bf16Kernels {
     in_rounded_sub_blocks(k, n_keys, listed, dim, [&](const float* const* keys, int64_t j0, int64_t n) {
       float* d[kRoundedRowsMax];
       for (int r = 0; r < rows; ++r) d[r] = dst[r] + j0;
-      PlainRows::scores_listed_native(q, rows, keys, n, n, dim, scale, d);
+      Floats().scores_listed(q, rows, reinterpret_cast<const void* const*>(keys), nullptr, 0, n,
+                             n, dim, scale, d);
     });
   }
 
@@ -259,7 +262,8 @@ struct Bf16Kernels {
     in_rounded_sub_blocks(v, n_keys, listed, dim, [&](const float* const* values, int64_t j0, int64_t n) {
       const float* pr[kRoundedRowsMax];
       for (int r = 0; r < rows; ++r) pr[r] = p[r] + j0;
-      PlainRows::accumulate_pv_listed_native(pr, rows, values, n, n, dim, acc);
+      Floats().accumulate_pv_listed(pr, rows, reinterpret_cast<const void* const*>(values),
+                                    nullptr, 0, n, n, dim, acc);
     });
   }
 

@@ -113,21 +113,28 @@ struct Avx512F32 {
   }
   // round_bf16_bits (bf16_bits.h) lane by lane: x rounded to bfloat16.
   // Where every lane is a normal number or an infinity, as a rule, the
-  // rounding is the addition alone; else the whole rules.
+  // rounding is the addition alone; else the whole rules (round_bf16_any,
+  // out of line, so that the code that inlines round_bf16 carries one copy).
   static V round_bf16(V x) {
+    const __m512 magnitude = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(kBf16AbsMask))));
+    // Not >= the smallest normal number: a zero, a subnormal or a NaN.
+    const __mmask16 special = _mm512_cmp_ps_mask(
+        magnitude, _mm512_castsi512_ps(_mm512_set1_epi32(int(kBf16MinNormal))), _CMP_NGE_UQ);
+    if (__builtin_expect(special != 0, 0)) return round_bf16_any(x);
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(int(kBf16HalfUlp))), odd);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(kBf16High))));
+  }
+  [[gnu::noinline]] static V round_bf16_any(V x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(int(kBf16AbsMask)));
-    // Not >= the smallest normal number: a zero, a subnormal or a NaN.
-    const __mmask16 special = _mm512_cmp_ps_mask(_mm512_castsi512_ps(magnitude),
-                                                 _mm512_castsi512_ps(_mm512_set1_epi32(int(kBf16MinNormal))),
-                                                 _CMP_NGE_UQ);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(int(kBf16HalfUlp))), odd);
-    if (__builtin_expect(special == 0, 1))
-      return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(kBf16High))));
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(int(kBf16Infinity)));
     const __mmask16 tiny =
         _mm512_cmplt_epu32_mask(magnitude, _mm512_set1_epi32(int(kBf16MinNormal)));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(int(kBf16HalfUlp))), odd);
     r = _mm512_mask_or_epi32(r, nan, bits, _mm512_set1_epi32(int(kBf16Quiet)));
     r = _mm512_and_si512(r, _mm512_set1_epi32(int(kBf16High)));
     r = _mm512_mask_andnot_epi32(r, tiny, _mm512_set1_epi32(int(kBf16AbsMask)), bits);
