@@ -146,8 +146,14 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     int64_t ldk = 0, ldv = 0;
     LineRange lead = stored_row_lines(a.value, b, kv_head, start, std::min(n, kBlockLeadRows));
     request_lines_to_l2(lead, lead.size());
-    const T* kb = direct_keys || listed_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
-    const T* vb = direct_values || listed_values ? nullptr : values.rows(start, n, v_buf, ldv);
+    // Stored rows that no kernel reads in place are widened into the buffer
+    // kWidenRows at a time, each part taken through every row before the
+    // next is widened; rows read as T are read where they lie.
+    const bool widen_keys = keys.stored() && !direct_keys && !listed_keys;
+    const bool widen_values = values.stored() && !direct_values && !listed_values;
+    const T* kb = direct_keys || listed_keys || widen_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
+    const T* vb =
+        direct_values || listed_values || widen_values ? nullptr : values.rows(start, n, v_buf, ldv);
     // (1) the scores of every row: the kernel takes a few rows through each
     // key at once; the first of them read the block from memory, the others
     // from cache.
@@ -181,6 +187,13 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
                                         E, a.query_scale(), s_rows, true);
     }
     if (kb) kt.scores(q_rows, n_rows, kb, ldk, n, E, a.query_scale(), s_rows, keys.native);
+    for (int64_t s0 = 0; widen_keys && s0 < n; s0 += kWidenRows) {
+      const int64_t m = std::min(kWidenRows, n - s0);
+      const T* part = keys.rows(start + s0, m, k_buf, ldk);
+      T* s_part[kQueryBlock];
+      for (int64_t r = 0; r < rows; ++r) s_part[r] = s_rows[r] + s0;
+      kt.scores(q_rows, n_rows, part, ldk, m, E, a.query_scale(), s_part, false);
+    }
     soft_cap(a, kt, tile, rows, kKeyBlock, n, a.softcap_folded());
     // The rows whose values go through the block in one pass, together.
     const T* p_plain[kQueryBlock];
@@ -281,6 +294,14 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
           kt.accumulate_pv_16bit[values.bits_kind](p_plain, plain,
                                                    values.bits + start * values.ld, values.ld, n,
                                                    Ev, acc_plain, true);
+      }
+    } else if (vb == nullptr) {  // widen_values, and no closed key widened the whole block
+      for (int64_t s0 = 0; s0 < n; s0 += kWidenRows) {
+        const int64_t m = std::min(kWidenRows, n - s0);
+        const T* part = values.rows(start + s0, m, v_buf, ldv);
+        const T* p_part[kQueryBlock];
+        for (int i = 0; i < plain; ++i) p_part[i] = p_plain[i] + s0;
+        kt.accumulate_pv(p_part, plain, part, ldv, m, Ev, acc_plain, false);
       }
     } else {
       kt.accumulate_pv(p_plain, plain, vb, ldv, n, Ev, acc_plain, values.native);
