@@ -109,7 +109,8 @@ struct RowReader {
     for_each_run(j0, n, [&](int64_t j, int64_t count, int64_t first, const float* s) {
       T* dst = buf + (j - j0) * dim;
       if (!stored()) {
-        for (int64_t i = 0; i < count; ++i) std::copy_n(native + first + i * ld, dim, dst + i * dim);
+        for (int64_t i = 0; i < count; ++i)
+          std::copy_n(native + first + i * ld, dim, dst + i * dim);
       } else if constexpr (std::is_same_v<T, float>) {
         if (q8) {
           const int8_t* src = q8 + first;

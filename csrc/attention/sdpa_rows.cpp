@@ -19,6 +19,22 @@ namespace attnx::sdpa {
 // A block's probabilities are quantized on the stack of the int8 kernels.
 static_assert(kKeyBlock <= kInt8MaxBlock);
 
+namespace {
+
+// f(part, ld, s0, m) for rows [start, start + n) of stored rows widened
+// into buf kWidenRows at a time: part holds rows start + s0 .. + m, ld apart.
+template <typename T, typename F>
+void in_widened_parts(const RowReader<T>& reader, int64_t start, int64_t n, T* buf, F&& f) {
+  for (int64_t s0 = 0; s0 < n; s0 += kWidenRows) {
+    const int64_t m = std::min(kWidenRows, n - s0);
+    int64_t ld = 0;
+    const T* part = reader.rows(start + s0, m, buf, ld);
+    f(part, ld, s0, m);
+  }
+}
+
+}  // namespace
+
 template <typename T>
 void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0, int64_t r1,
                 int64_t chunk, T* scratch) {
@@ -68,10 +84,10 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
   const RowReader<T> values = row_reader(a.value, kt, b, kv_head);
   // 16-bit and int8 keys and values are read straight from storage by their
   // row kernels, widened in registers, for up to kDirectRowGroups groups of
-  // the row kernels' rows (int8: kDirectInt8Rows rows); for more rows a block
-  // is widened once into a buffer and read from there by every row: for a
-  // few groups, widening again for each costs less than storing the block
-  // and loading it back.
+  // the row kernels' rows (int8: kDirectInt8Rows rows); for more rows they
+  // are widened into the buffer and read from there by every row: for a few
+  // groups, widening again for each costs less than storing the rows and
+  // loading them back.
   const int64_t direct_rows = keys.q8 ? kDirectInt8Rows : kDirectRowGroups * kt.row_group;
   const bool direct_keys = rows <= direct_rows && keys.stored();
   const bool direct_values = rows <= direct_rows && values.stored();
@@ -146,14 +162,12 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
     int64_t ldk = 0, ldv = 0;
     LineRange lead = stored_row_lines(a.value, b, kv_head, start, std::min(n, kBlockLeadRows));
     request_lines_to_l2(lead, lead.size());
-    // Stored rows that no kernel reads in place are widened into the buffer
-    // kWidenRows at a time, each part taken through every row before the
-    // next is widened; rows read as T are read where they lie.
+    // Rows read as T and not listed are read where they lie; stored rows
+    // that no kernel reads in place are widened into the buffer a part at a
+    // time (in_widened_parts), each part taken through every row.
     const bool widen_keys = keys.stored() && !direct_keys && !listed_keys;
-    const bool widen_values = values.stored() && !direct_values && !listed_values;
-    const T* kb = direct_keys || listed_keys || widen_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
-    const T* vb =
-        direct_values || listed_values || widen_values ? nullptr : values.rows(start, n, v_buf, ldv);
+    const T* kb = keys.stored() || listed_keys ? nullptr : keys.rows(start, n, k_buf, ldk);
+    const T* vb = values.stored() || listed_values ? nullptr : values.rows(start, n, v_buf, ldv);
     // (1) the scores of every row: the kernel takes a few rows through each
     // key at once; the first of them read the block from memory, the others
     // from cache.
@@ -187,13 +201,13 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
                                         E, a.query_scale(), s_rows, true);
     }
     if (kb) kt.scores(q_rows, n_rows, kb, ldk, n, E, a.query_scale(), s_rows, keys.native);
-    for (int64_t s0 = 0; widen_keys && s0 < n; s0 += kWidenRows) {
-      const int64_t m = std::min(kWidenRows, n - s0);
-      const T* part = keys.rows(start + s0, m, k_buf, ldk);
-      T* s_part[kQueryBlock];
-      for (int64_t r = 0; r < rows; ++r) s_part[r] = s_rows[r] + s0;
-      kt.scores(q_rows, n_rows, part, ldk, m, E, a.query_scale(), s_part, false);
-    }
+    if (widen_keys)
+      in_widened_parts(keys, start, n, k_buf,
+                       [&](const T* part, int64_t ld, int64_t s0, int64_t m) {
+                         T* s_part[kQueryBlock];
+                         for (int64_t r = 0; r < rows; ++r) s_part[r] = s_rows[r] + s0;
+                         kt.scores(q_rows, n_rows, part, ld, m, E, a.query_scale(), s_part, false);
+                       });
     soft_cap(a, kt, tile, rows, kKeyBlock, n, a.softcap_folded());
     // The rows whose values go through the block in one pass, together.
     const T* p_plain[kQueryBlock];
@@ -295,14 +309,14 @@ void flash_rows(const SdpaContext<T>& c, int64_t b, int64_t kv_head, int64_t r0,
                                                    values.bits + start * values.ld, values.ld, n,
                                                    Ev, acc_plain, true);
       }
-    } else if (vb == nullptr) {  // widen_values, and no closed key widened the whole block
-      for (int64_t s0 = 0; s0 < n; s0 += kWidenRows) {
-        const int64_t m = std::min(kWidenRows, n - s0);
-        const T* part = values.rows(start + s0, m, v_buf, ldv);
-        const T* p_part[kQueryBlock];
-        for (int i = 0; i < plain; ++i) p_part[i] = p_plain[i] + s0;
-        kt.accumulate_pv(p_part, plain, part, ldv, m, Ev, acc_plain, false);
-      }
+    } else if (vb == nullptr) {
+      // Stored values to widen, where no closed key widened the whole block.
+      in_widened_parts(values, start, n, v_buf,
+                       [&](const T* part, int64_t ld, int64_t s0, int64_t m) {
+                         const T* p_part[kQueryBlock];
+                         for (int i = 0; i < plain; ++i) p_part[i] = p_plain[i] + s0;
+                         kt.accumulate_pv(p_part, plain, part, ld, m, Ev, acc_plain, false);
+                       });
     } else {
       kt.accumulate_pv(p_plain, plain, vb, ldv, n, Ev, acc_plain, values.native);
     }

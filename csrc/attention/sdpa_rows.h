@@ -17,19 +17,19 @@ constexpr int64_t kKeyChunk = 512;    // keys per task on the row path (a multip
 // Rows that read a 16-bit cache in place, widening it in registers, as
 // groups of the row kernels' rows (KernelTable::row_group: 16 rows on
 // AVX-512, 8 on AVX2): decoding with up to 16 query heads a key head. Past
-// that the rows are widened once into a buffer (kWidenRows), which every
-// group then reads (measurements: docs/tuning.md). The same bits either way. An int8 cache's
-// rows are read in place for up to kDirectInt8Rows rows: the int8 kernels
-// apply a row's scale where the buffer does not, so the rule decides the
-// bits, and it stays as it was.
+// that the rows are widened into the buffer (kWidenRows), which every group
+// then reads (measurements: docs/tuning.md). The same bits either way.
 constexpr int64_t kDirectRowGroups = 4;
-// Stored rows widened into the buffer (more rows than that, or an int8
-// cache's past kDirectInt8Rows) are widened this many at a time, and every
-// row takes a part's scores or values before the next part is widened: the
-// part stays in L1 (8 KiB at a head dim of 128). A multiple of 4, as the
-// kernels group keys by four from a call's first: the same bits as one call.
-constexpr int64_t kWidenRows = 16;
+// Rows that read an int8 cache in place: the int8 kernels apply a row's
+// scale where the buffer does not, so this rule decides the bits, and it
+// stays as it was.
 constexpr int64_t kDirectInt8Rows = 4;
+// Stored rows widened into the buffer (past the rules above) are widened
+// this many at a time, and every row takes a part's scores or values before
+// the next part is widened: the part stays in L1 (8 KiB at a head dim of
+// 128). A multiple of 4, as the kernels group keys by four from a call's
+// first: the same bits as one call.
+constexpr int64_t kWidenRows = 16;
 // Keys per task on the row path for a sequence of `keys` keys: kKeyChunk,
 // or with int8 products a quarter of the keys, in whole blocks, from
 // kKeyChunk to 4 kKeyChunk. An int8 row is a quarter of a float32 one, so

@@ -207,11 +207,13 @@ struct Bf16Kernels {
   // A sub-block is a multiple of 4 rows, as the kernels group keys by four
   // from a call's first.
   static constexpr int64_t kRoundedFloats = 4096;  // 16 KiB
+  // The most rows of a sub-block, and of the query rows of a call.
   static constexpr int64_t kRoundedRowsMax = 128;
 
   static int64_t rounded_stride(int64_t dim) { return (dim + W - 1) / W * W; }
   static bool rounds_once(int rows, int64_t dim) {
-    return rows > Vec::kRowGroup && rows <= kRoundedRowsMax && rounded_stride(dim) * 16 <= kRoundedFloats;
+    return rows > Vec::kRowGroup && rows <= kRoundedRowsMax &&
+           rounded_stride(dim) * 16 <= kRoundedFloats;
   }
 
   // f(rounded, j0, n) for rows [j0, j0 + n) of `rows`, rounded; rows up to
@@ -231,7 +233,8 @@ struct Bf16Kernels {
         if (ahead && j0 + j + ahead < listed) prefetch_rows(rows[j0 + j + ahead], 0, 1, dim);
         const float* src = rows[j0 + j];
         float* dst = buffer + j * ld;
-        for (int64_t i = 0; i < whole; i += W) Vec::store(dst + i, round_vector(Vec::load(src + i)));
+        for (int64_t i = 0; i < whole; i += W)
+          Vec::store(dst + i, round_vector(Vec::load(src + i)));
         if (whole < dim) {
           const int tail = static_cast<int>(dim - whole);
           Vec::store_partial(dst + whole, round_vector(Vec::load_partial(src + whole, tail)), tail);
@@ -247,24 +250,29 @@ struct Bf16Kernels {
                              float* const* dst) {
     if (!rounds_once(rows, dim))
       return Rows::scores_listed_native(q, rows, k, n_keys, listed, dim, scale, dst);
-    in_rounded_sub_blocks(k, n_keys, listed, dim, [&](const float* const* keys, int64_t j0, int64_t n) {
-      float* d[kRoundedRowsMax];
-      for (int r = 0; r < rows; ++r) d[r] = dst[r] + j0;
-      Floats().scores_listed(q, rows, reinterpret_cast<const void* const*>(keys), nullptr, 0, n,
-                             n, dim, scale, d);
-    });
+    in_rounded_sub_blocks(k, n_keys, listed, dim,
+                          [&](const float* const* keys, int64_t j0, int64_t n) {
+                            float* d[kRoundedRowsMax];
+                            for (int r = 0; r < rows; ++r) d[r] = dst[r] + j0;
+                            Floats().scores_listed(q, rows,
+                                                   reinterpret_cast<const void* const*>(keys),
+                                                   nullptr, 0, n, n, dim, scale, d);
+                          });
   }
 
   static void accumulate_pv_rounded(const float* const* p, int rows, const float* const* v,
-                                    int64_t n_keys, int64_t listed, int64_t dim, float* const* acc) {
+                                    int64_t n_keys, int64_t listed, int64_t dim,
+                                    float* const* acc) {
     if (!rounds_once(rows, dim))
       return Rows::accumulate_pv_listed_native(p, rows, v, n_keys, listed, dim, acc);
-    in_rounded_sub_blocks(v, n_keys, listed, dim, [&](const float* const* values, int64_t j0, int64_t n) {
-      const float* pr[kRoundedRowsMax];
-      for (int r = 0; r < rows; ++r) pr[r] = p[r] + j0;
-      Floats().accumulate_pv_listed(pr, rows, reinterpret_cast<const void* const*>(values),
-                                    nullptr, 0, n, n, dim, acc);
-    });
+    in_rounded_sub_blocks(v, n_keys, listed, dim,
+                          [&](const float* const* values, int64_t j0, int64_t n) {
+                            const float* pr[kRoundedRowsMax];
+                            for (int r = 0; r < rows; ++r) pr[r] = p[r] + j0;
+                            Floats().accumulate_pv_listed(
+                                pr, rows, reinterpret_cast<const void* const*>(values), nullptr,
+                                0, n, n, dim, acc);
+                          });
   }
 
   static Bf16KernelTable table(const char* name, Isa isa) {

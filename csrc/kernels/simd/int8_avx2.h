@@ -85,9 +85,9 @@ struct Avx2Int8Kernels {
   // R rows against every key: K keys a step (the rows' sums in 8 registers
   // of 16), the last ones one by one.
   template <int R, int C>
-  static void scores_all_keys(const int8_t* const* q, const float* q_scales, const int8_t* const* k,
-                          const float* k_scales, int64_t n_keys, int64_t listed, int64_t dim,
-                          float* const* dst, int64_t ahead) {
+  static void scores_all_keys(const int8_t* const* q, const float* q_scales,
+                              const int8_t* const* k, const float* k_scales, int64_t n_keys,
+                              int64_t listed, int64_t dim, float* const* dst, int64_t ahead) {
     constexpr int K = R >= 4 ? 2 : 4;
     int64_t j = 0;
     for (; j + K <= n_keys; j += K) {
@@ -129,7 +129,8 @@ struct Avx2Int8Kernels {
     int nan = 0;
     for (int64_t j = 0; j < n; j += 8) {
       const __m256i m = lanes_mask(n - j);
-      const __m256 w = _mm256_mul_ps(_mm256_maskload_ps(p + j, m), _mm256_maskload_ps(scales + j, m));
+      const __m256 w =
+          _mm256_mul_ps(_mm256_maskload_ps(p + j, m), _mm256_maskload_ps(scales + j, m));
       nan |= _mm256_movemask_ps(_mm256_cmp_ps(w, w, _CMP_UNORD_Q));
       top = _mm256_max_ps(w, top);  // the second operand where w is NaN
     }
@@ -143,7 +144,8 @@ struct Avx2Int8Kernels {
     const __m256 k127 = _mm256_set1_ps(127.0f), zero = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j += 8) {
       const __m256i m = lanes_mask(n - j);
-      const __m256 w = _mm256_mul_ps(_mm256_maskload_ps(p + j, m), _mm256_maskload_ps(scales + j, m));
+      const __m256 w =
+          _mm256_mul_ps(_mm256_maskload_ps(p + j, m), _mm256_maskload_ps(scales + j, m));
       __m256 y = q.inv_finite ? _mm256_mul_ps(w, inv) : _mm256_mul_ps(_mm256_div_ps(w, top1), k127);
       y = _mm256_min_ps(_mm256_max_ps(y, zero), k127);  // max: 0 where y is NaN
       const __m256i words = _mm256_cvtps_epi32(y);
@@ -181,7 +183,8 @@ struct Avx2Int8Kernels {
       const __m256i pb = _mm256_set1_epi32(quad);
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t)
-        sums[r][t] = _mm256_add_epi32(sums[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(pb, x[t]), ones));
+        sums[r][t] = _mm256_add_epi32(sums[r][t],
+                                      _mm256_madd_epi16(_mm256_maddubs_epi16(pb, x[t]), ones));
     }
   }
 

@@ -79,8 +79,6 @@ void map_rows(typename Vec::T* x, int64_t rows, int64_t ld, int64_t cols, F f) {
   }
 }
 
-// Local min/max: a std:: template instantiated here could be merged by the
-// linker with a copy compiled for another instruction set.
 // group(r0, count, ahead) for the rows four at a time, then one by one:
 // only the first group streams the rows read (asks for them `ahead`), the
 // others find them in cache.
@@ -91,6 +89,8 @@ inline void in_row_groups_of_four(int rows, int64_t ahead, Group group) {
   for (; r0 < rows; ++r0) group(r0, 1, r0 == 0 ? ahead : 0);
 }
 
+// Local min/max: a std:: template instantiated here could be merged by the
+// linker with a copy compiled for another instruction set.
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int imin(int a, int b) { return a < b ? a : b; }
 inline int imax(int a, int b) { return a > b ? a : b; }

@@ -131,14 +131,16 @@ struct Avx2F32 {
   // rules (round_bf16_any: 14, out of line, so that the code that inlines
   // round_bf16 carries one copy of them).
   static V round_bf16(V x) {
-    const __m256 magnitude = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(int(kBf16AbsMask))));
+    const __m256 magnitude =
+        _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(int(kBf16AbsMask))));
     // Not >= the smallest normal number: a zero, a subnormal or a NaN.
-    const __m256 special =
-        _mm256_cmp_ps(magnitude, _mm256_castsi256_ps(_mm256_set1_epi32(int(kBf16MinNormal))), _CMP_NGE_UQ);
+    const __m256 special = _mm256_cmp_ps(
+        magnitude, _mm256_castsi256_ps(_mm256_set1_epi32(int(kBf16MinNormal))), _CMP_NGE_UQ);
     if (__builtin_expect(!_mm256_testz_ps(special, special), 0)) return round_bf16_any(x);
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(int(kBf16HalfUlp))), odd);
+    const __m256i r =
+        _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(int(kBf16HalfUlp))), odd);
     return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(kBf16High))));
   }
   // The magnitudes are below 2^31: signed compares order them.

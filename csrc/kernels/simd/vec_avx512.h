@@ -124,7 +124,8 @@ struct Avx512F32 {
     if (__builtin_expect(special != 0, 0)) return round_bf16_any(x);
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(int(kBf16HalfUlp))), odd);
+    const __m512i r =
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(int(kBf16HalfUlp))), odd);
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(kBf16High))));
   }
   [[gnu::noinline]] static V round_bf16_any(V x) {
