@@ -25,12 +25,7 @@ struct ArrayKernels {
 
   static void scale(const T* x, int64_t n, T alpha, T* y) {
     const V a = Vec::set1(alpha);
-    int64_t j = 0;
-    for (; j + W <= n; j += W) Vec::store(y + j, Vec::mul(Vec::load(x + j), a));
-    if (j < n) {
-      const int len = static_cast<int>(n - j);
-      Vec::store_partial(y + j, Vec::mul(Vec::load_partial(x + j, len), a), len);
-    }
+    map_row<Vec>(x, n, y, [a](V v) { return Vec::mul(v, a); });
   }
 
   static void scale_columns(T* x, int64_t rows, int64_t ld, int64_t cols, const T* factors) {

@@ -100,7 +100,7 @@ struct Bf16Kernels {
       Vec::store_bf16_partial(dst + i, round_vector(Vec::load_partial(src + i, tail)), tail);
   }
 
-  static void round_in_place(float* x, int64_t n) { map_rows<Vec>(x, 1, n, n, round_vector); }
+  static void round_in_place(float* x, int64_t n) { map_row<Vec>(x, n, x, round_vector); }
 
   // One pair from the values at lo and hi (null: none, 0), scaled and rounded.
   static uint32_t pair_of(const float* lo, const float* hi, float scale) {
@@ -226,20 +226,12 @@ struct Bf16Kernels {
     const int64_t ld = rounded_stride(dim);
     const int64_t sub = min64(kRoundedRowsMax, kRoundedFloats / ld) / 4 * 4;
     const int64_t ahead = prefetch_distance<float>(true, dim);
-    const int64_t whole = dim / W * W;
     for (int64_t j0 = 0; j0 < n_rows; j0 += sub) {
       const int64_t n = min64(sub, n_rows - j0);
       for (int64_t j = 0; j < n; ++j) {
         if (ahead && j0 + j + ahead < listed) prefetch_rows(rows[j0 + j + ahead], 0, 1, dim);
-        const float* src = rows[j0 + j];
-        float* dst = buffer + j * ld;
-        for (int64_t i = 0; i < whole; i += W)
-          Vec::store(dst + i, round_vector(Vec::load(src + i)));
-        if (whole < dim) {
-          const int tail = static_cast<int>(dim - whole);
-          Vec::store_partial(dst + whole, round_vector(Vec::load_partial(src + whole, tail)), tail);
-        }
-        rounded[j] = dst;
+        rounded[j] = buffer + j * ld;
+        map_row<Vec>(rows[j0 + j], dim, buffer + j * ld, round_vector);
       }
       f(rounded, j0, n);
     }

@@ -64,19 +64,24 @@ inline void request_line(const LineRange& lines, int64_t k) {
 #endif
 }
 
-// x[r * ld + j] = f(x[r * ld + j]) for r < rows, j < cols (any count: the
-// tail of a row by a partial load and store), f taking and giving a vector
-// of Vec.
+// dst[j] = f(src[j]) for j < n (any count: the tail by a partial load and
+// store, so nothing past src[n - 1] is read or past dst[n - 1] written), f
+// taking and giving a vector of Vec; dst may be src.
+template <class Vec, class F>
+void map_row(const typename Vec::T* src, int64_t n, typename Vec::T* dst, F f) {
+  constexpr int W = Vec::W;
+  int64_t j = 0;
+  for (; j + W <= n; j += W) Vec::store(dst + j, f(Vec::load(src + j)));
+  if (j < n) {
+    const int tail = static_cast<int>(n - j);
+    Vec::store_partial(dst + j, f(Vec::load_partial(src + j, tail)), tail);
+  }
+}
+
+// x[r * ld + j] = f(x[r * ld + j]) for r < rows, j < cols (map_row in place).
 template <class Vec, class F>
 void map_rows(typename Vec::T* x, int64_t rows, int64_t ld, int64_t cols, F f) {
-  constexpr int W = Vec::W;
-  const int tail = static_cast<int>(cols % W);
-  for (int64_t r = 0; r < rows; ++r) {
-    typename Vec::T* row = x + r * ld;
-    int64_t j = 0;
-    for (; j + W <= cols; j += W) Vec::store(row + j, f(Vec::load(row + j)));
-    if (tail) Vec::store_partial(row + j, f(Vec::load_partial(row + j, tail)), tail);
-  }
+  for (int64_t r = 0; r < rows; ++r) map_row<Vec>(x + r * ld, cols, x + r * ld, f);
 }
 
 // group(r0, count, ahead) for the rows four at a time, then one by one:
