@@ -201,17 +201,11 @@ struct Avx2Int8Kernels {
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) sums[r][t] = _mm256_setzero_si256();
-    int64_t j = 0;
-    for (; j + 4 <= n_keys; j += 4) {
-      if (ahead && j + ahead + 4 <= listed)
-        for (int u = 0; u < 4; ++u) prefetch_rows(v[j + ahead + u], 0, 1, dim);
-      add_quad<R, Full>(sums, levels, j, v[j], v[j + 1], v[j + 2], v[j + 3], d0, dim, ones);
-    }
-    if (j < n_keys) {  // past the block's last key, its row again, at level 0
-      const int64_t last = n_keys - 1;
-      add_quad<R, Full>(sums, levels, j, v[j], v[j + 1 < last ? j + 1 : last],
-                        v[j + 2 < last ? j + 2 : last], v[last], d0, dim, ones);
-    }
+    int8_in_key_quads(v, n_keys, dim, ahead, listed,
+                      [&](int64_t j, const int8_t* r0, const int8_t* r1, const int8_t* r2,
+                          const int8_t* r3) {
+                        add_quad<R, Full>(sums, levels, j, r0, r1, r2, r3, d0, dim, ones);
+                      });
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
       const __m256i cols[4] = {_mm256_permute2x128_si256(sums[r][0], sums[r][1], 0x20),

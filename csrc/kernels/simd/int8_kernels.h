@@ -98,6 +98,26 @@ void int8_scores_in_row_groups(const int8_t* const* q, const float* q_scales, in
   });
 }
 
+// add(j, r0, r1, r2, r3) with the value rows of keys j..j + 3, four keys a
+// step (the P.V kernels interleave four rows' bytes), those `ahead` keys on
+// (up to `listed`) asked for first. Past the block's last key its row stands
+// in: the levels there are 0 (Kernels::quantize pads them).
+template <typename Add>
+[[gnu::always_inline]] inline void int8_in_key_quads(const int8_t* const* v, int64_t n_keys,
+                                                     int64_t dim, int64_t ahead, int64_t listed,
+                                                     Add&& add) {
+  int64_t j = 0;
+  for (; j + 4 <= n_keys; j += 4) {
+    if (ahead && j + ahead + 4 <= listed)
+      for (int u = 0; u < 4; ++u) prefetch_rows(v[j + ahead + u], 0, 1, dim);
+    add(j, v[j], v[j + 1], v[j + 2], v[j + 3]);
+  }
+  if (j < n_keys) {
+    const int64_t last = n_keys - 1;
+    add(j, v[j], v[j + 1 < last ? j + 1 : last], v[j + 2 < last ? j + 2 : last], v[last]);
+  }
+}
+
 // P.V: kGroup rows at a time, each row's probabilities quantized
 // (Kernels::quantize: levels zero up to a multiple of 4 past the block), the
 // rows that take nothing from the block left out, then Kernels::pv_rows over

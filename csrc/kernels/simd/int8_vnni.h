@@ -305,17 +305,11 @@ struct Avx512VnniInt8Kernels {
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) sums[r][t] = _mm512_setzero_si512();
-    int64_t j = 0;
-    for (; j + 4 <= n_keys; j += 4) {
-      if (ahead && j + ahead + 4 <= listed)
-        for (int u = 0; u < 4; ++u) prefetch_rows(v[j + ahead + u], 0, 1, dim);
-      add_quad<R, Full>(sums, levels, j, v[j], v[j + 1], v[j + 2], v[j + 3], d0, mask);
-    }
-    if (j < n_keys) {  // past the block's last key, its row again, at level 0
-      const int64_t last = n_keys - 1;
-      add_quad<R, Full>(sums, levels, j, v[j], v[j + 1 < last ? j + 1 : last],
-                          v[j + 2 < last ? j + 2 : last], v[last], d0, mask);
-    }
+    int8_in_key_quads(v, n_keys, dim, ahead, listed,
+                      [&](int64_t j, const int8_t* r0, const int8_t* r1, const int8_t* r2,
+                          const int8_t* r3) {
+                        add_quad<R, Full>(sums, levels, j, r0, r1, r2, r3, d0, mask);
+                      });
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512i lo01 = _mm512_shuffle_i32x4(sums[r][0], sums[r][1], 0x44);
